@@ -1,0 +1,24 @@
+"""fxpooch: train models whose activations exceed device memory, by planning swap and recompute.
+
+    cm = fxpooch.compile(model, example_input, mem_limit="16GiB")
+    loss = loss_fn(cm(x)); loss.backward(); opt.step()
+"""
+from __future__ import annotations
+
+from . import runtime as _runtime  # noqa: F401  (registers the fxpooch:: ops)
+from .api import CompiledModule, CompileOptions, compile
+from .errors import (FxpoochError, InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidProfile, UnknownName,
+                     UnsupportedModel)
+from .hardware import PRESETS as HARDWARE_PRESETS
+from .hardware import Hardware, Link
+from .plan import Plan
+from .planners import PLANNERS
+from .profile import Profile
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HARDWARE_PRESETS", "PLANNERS", "CompileOptions", "CompiledModule", "FxpoochError", "Hardware",
+    "InfeasibleMemoryLimit", "InvalidMemoryLimit", "InvalidProfile", "Link", "Plan", "Profile",
+    "UnknownName", "UnsupportedModel", "compile",
+]

@@ -1,0 +1,70 @@
+"""The one place fxpooch touches torch-private APIs (supported: torch 2.11 - 2.13).
+
+Everything here is a thin adapter; callers see plain functions with stable signatures.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+
+def aot_backend(fw_compiler: Callable, bw_compiler: Callable, partition_fn: Callable) -> Callable:
+    """A ``torch.compile`` backend: dynamo -> AOTAutograd with our partitioner and compilers."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn)
+
+
+def default_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """AOTAutograd's default partition: the forward saves what the backward reads."""
+    from torch._functorch.partitioners import default_partition as _default
+
+    return _default(joint, joint_inputs, **kwargs)
+
+
+def storage_key(value: Any) -> int | None:
+    """Identity of the (fake or real) storage behind a tensor, or None for non-tensors."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    return value.untyped_storage()._cdata
+
+
+def set_boxed_codegen(gm: fx.GraphModule) -> None:
+    """Make ``gm`` take one list argument and clear it, so inputs die at their last use."""
+    boxed = getattr(torch.fx.graph, "_BoxedCodeGen", None)
+    if boxed is None:  # older torch: same idea, written out
+        boxed = _BoxedCodeGen
+    gm.graph.set_codegen(boxed())
+    gm.recompile()
+
+
+class _BoxedCodeGen(fx.graph.CodeGen):
+    def gen_fn_def(self, free_vars: list[str], maybe_return_annotation: str, *args: Any, **kwargs: Any) -> str:
+        names = [v.split(":")[0].split("=")[0].strip() for v in free_vars if v != "self"]
+        lines = [f"def {getattr(self, '_func_name', 'forward')}(self, args_list){maybe_return_annotation}:"]
+        if names:
+            lines.append("    args_iter = iter(args_list)")
+            lines += [f"    {n} = next(args_iter)" for n in names]
+            lines.append("    args_list.clear()")
+        return "\n".join(lines)
+
+    def process_inputs(self, *args: Any) -> Any:
+        return list(args)
+
+
+def is_random_op(target: Any) -> bool:
+    """True for ops that draw from an RNG (their recomputation would draw new numbers)."""
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
+def is_mutating_op(target: Any) -> bool:
+    schema = getattr(target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def is_cuda_graph_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,218 @@
+"""``fxpooch.compile``: capture -> profile -> plan -> rewrite -> run, one plan per input shape."""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .capture import GraphPair, Recorder, capture_step
+from .errors import InvalidProfile, UnsupportedModel
+from .graph import NodeTable, StepGraph, build_step_graph
+from .hardware import Hardware, Link, get_hardware
+from .memory import MemoryModel
+from .plan import Plan, activation_names
+from .planners import Problem, get_planner
+from .profile import Profile, analytic_profile, measure_profile
+from .schedule import build_schedule
+from .simulator import simulate
+from .units import parse_bytes
+
+log = logging.getLogger("fxpooch.compile")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How to profile and plan. ``profile``: "measure" (CUDA events / CPU timer), "analytic"
+    (roofline of ``hardware``), a :class:`Profile`, or a path to a saved one."""
+
+    planner: str = "pooch"
+    profile: str | Profile | os.PathLike = "measure"
+    hardware: str | Hardware | None = None  # analytic costs and the default link
+    link: Link | None = None  # overrides the hardware's link
+
+
+def _split_example(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(example_input, torch.Tensor):
+        return (example_input,), {}
+    if isinstance(example_input, tuple):
+        return example_input, {}
+    if isinstance(example_input, Mapping) and all(isinstance(k, str) for k in example_input):
+        return (), dict(example_input)
+    raise UnsupportedModel(
+        f"example_input must be a tensor, a tuple of positional arguments or a dict of keyword "
+        f"arguments, got {type(example_input).__name__}")
+
+
+def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return (str(spec),) + tuple(
+        (tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else repr(x)
+        for x in leaves)
+
+
+def _step_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    for t in [*model.parameters(), *pytree.tree_leaves((args, kwargs))]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+class CompiledModule(nn.Module):
+    """Runs ``model`` through the planned graphs; called exactly like ``model``."""
+
+    def __init__(self, model: nn.Module, mem_limit: int, options: CompileOptions):
+        super().__init__()
+        self.model = model
+        self.mem_limit = mem_limit
+        self.options = options
+        self._recorder = Recorder()
+        self._compiled = torch.compile(model, backend=self._recorder.backend, dynamic=False)
+        self._plans: dict[tuple, _Planned] = {}
+        self._current: _Planned | None = None
+
+    # -- public inspection -----------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        if self._current is None:
+            raise RuntimeError("no plan yet: call the compiled module once")
+        return self._current.plan
+
+    @property
+    def forward_graphs(self) -> list[torch.fx.GraphModule]:
+        """The rewritten forward GraphModules of the current plan, in execution order."""
+        return [p.run_forward for p in self._current.pairs]
+
+    @property
+    def backward_graphs(self) -> list[torch.fx.GraphModule]:
+        return [p.run_backward for p in self._current.pairs]
+
+    # -- running ---------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        key = _signature(args, kwargs)
+        planned = self._plans.get(key)
+        if planned is None:
+            if self._plans:
+                log.info("new input signature: planning again (%d plans cached)", len(self._plans))
+            planned = self._plan_for(args, kwargs)
+            self._plans[key] = planned
+        if planned is not self._current:
+            planned.bind()
+            self._current = planned
+        return self._compiled(*args, **kwargs)
+
+    def _plan_for(self, args: tuple, kwargs: dict) -> _Planned:
+        device = _step_device(self.model, args, kwargs)
+        memory = MemoryModel.for_device(device)
+        pairs, pair_inputs = capture_step(self._compiled, self._recorder, self.model, args, kwargs)
+        resident = memory.resident_bytes(
+            [*self.model.parameters(), *self.model.buffers(),
+             *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))])
+        graph, table = build_step_graph(pairs, memory, resident)
+        profile = self._profile(graph, table, pair_inputs, device)
+        del pair_inputs
+        costs = profile.costs(graph)
+        name = self.options.planner
+        candidate = get_planner(name)(Problem(graph, costs, self.mem_limit))
+        in_core = simulate(graph, build_schedule(graph, [d.KEEP for d in candidate.decisions]), costs)
+        plan = Plan(
+            planner=name, mem_limit=self.mem_limit, peak_bytes=candidate.timeline.peak_bytes,
+            step_time=candidate.step_time, in_core_time=in_core.step_time, in_core_peak_bytes=in_core.peak_bytes,
+            decisions={n: d.value for n, d in zip(activation_names(graph), candidate.decisions)},
+            graph=graph, schedule=candidate.schedule, timeline=candidate.timeline, profile=profile,
+        )
+        log.info("planned with %s: peak %d bytes (limit %d), %s", name, plan.peak_bytes, self.mem_limit,
+                 plan.counts())
+        return _Planned(plan, graph, table, pairs)
+
+    def _profile(self, graph: StepGraph, table: NodeTable, inputs: list, device: torch.device) -> Profile:
+        opt = self.options
+        hardware = opt.hardware
+        if isinstance(hardware, str):
+            hardware = get_hardware(hardware)
+        if isinstance(opt.profile, Profile):
+            return opt.profile
+        if opt.profile == "analytic":
+            hw = hardware or get_hardware("cpu" if device.type == "cpu" else "h100-pcie5")
+            profile = analytic_profile(graph, table, hw)
+        elif opt.profile == "measure":
+            link = opt.link or (hardware.link if hardware else None)
+            if link is None:
+                link = measure_link(device) if device.type == "cuda" else get_hardware("cpu").link
+            profile = measure_profile(graph, table, inputs, link)
+        elif isinstance(opt.profile, (str, os.PathLike)) and os.path.exists(opt.profile):
+            profile = Profile.load(opt.profile)
+        else:
+            raise InvalidProfile(
+                f"profile={opt.profile!r}: pass 'measure', 'analytic', a Profile or the path of a saved profile")
+        return profile.with_link(opt.link) if opt.link else profile
+
+
+@dataclass
+class _Planned:
+    plan: Plan
+    graph: StepGraph
+    table: NodeTable
+    pairs: list[GraphPair]
+    bound: bool = False
+
+    def bind(self) -> None:
+        from fxpooch.passes import rewrite_pair
+
+        from ._torch_compat import set_boxed_codegen
+
+        for g, pair in enumerate(self.pairs):
+            rewritten = rewrite_pair(g, self.graph, self.table, self.plan.schedule)
+            set_boxed_codegen(rewritten.forward)
+            set_boxed_codegen(rewritten.backward)
+            pair.bind(rewritten.forward, rewritten.backward)
+
+
+def measure_link(device: torch.device, nbytes: int = 64 * 2**20) -> Link:
+    """Pinned host<->device bandwidth (the slower direction) and small-copy latency."""
+    import time
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def timed(dst: torch.Tensor, src: torch.Tensor, n: int) -> float:
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / n
+
+    timed(dev, host, 2)
+    bw = nbytes / max(timed(dev, host, 5), timed(host, dev, 5))
+    latency = timed(dev[:512], host[:512], 20)
+    return Link("measured", bw, latency)
+
+
+def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "pooch",
+            profile: str | Profile | os.PathLike = "measure", hardware: str | Hardware | None = None,
+            link: Link | None = None) -> CompiledModule:
+    """Plan ``model``'s training step to fit ``mem_limit`` and return a module that runs that plan.
+
+    The model runs once here to trace it (its buffers and the RNG state are put back). The
+    returned module's backward puts gradients on ``model``'s parameters.
+    """
+    if not isinstance(model, nn.Module):
+        raise UnsupportedModel(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    limit = parse_bytes(mem_limit)
+    get_planner(planner)  # fail fast on an unknown name
+    args, kwargs = _split_example(example_input)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UnsupportedModel("the model has no parameters that require grad: there is no training step "
+                               "to plan (use torch.no_grad() inference instead)")
+    compiled = CompiledModule(model, limit, CompileOptions(planner, profile, hardware, link))
+    planned = compiled._plan_for(args, kwargs)
+    compiled._plans[_signature(args, kwargs)] = planned
+    planned.bind()
+    compiled._current = planned
+    return compiled

@@ -1,0 +1,167 @@
+"""Stage 1, capture: the training step as forward/backward FX graphs with explicit saved tensors.
+
+Dynamo splits the model into graphs (at graph breaks); AOTAutograd turns each into a forward
+and a backward GraphModule through :func:`partition`, which records them as a
+:class:`GraphPair`. Each pair executes through a late-bound callable, so the planned (rewritten)
+graphs replace the captured ones without retracing.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import _torch_compat as compat
+
+log = logging.getLogger("fxpooch.capture")
+
+_PAIR_KEY = "fxpooch_pair"
+
+
+@dataclass(eq=False)
+class GraphPair:
+    """One dynamo graph's forward and backward, as AOTAutograd partitioned them."""
+
+    index: int
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    num_user_outputs: int
+    #: what actually runs; replaced by the rewritten modules once a plan is bound
+    run_forward: fx.GraphModule = field(init=False)
+    run_backward: fx.GraphModule = field(init=False)
+    on_run: Callable[[GraphPair, list[Any]], None] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.bind(_boxed_copy(self.forward), _boxed_copy(self.backward))
+
+    def bind(self, forward: fx.GraphModule, backward: fx.GraphModule) -> None:
+        """Execute ``forward``/``backward`` (boxed GraphModules) from now on."""
+        self.run_forward, self.run_backward = forward, backward
+
+    def call_forward(self, args: list[Any]) -> Any:
+        if self.on_run is not None:
+            self.on_run(self, args)
+        return self.run_forward(args)
+
+    def call_backward(self, args: list[Any]) -> Any:
+        return self.run_backward(args)
+
+    @property
+    def saved_nodes(self) -> list[fx.Node]:
+        """Forward output nodes the backward reads (AOTAutograd's saved values), in order."""
+        out = self.forward.graph.output_node().args[0]
+        return [n for n in out[self.num_user_outputs:] if isinstance(n, fx.Node)]
+
+
+def _boxed_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    copy = fx.GraphModule(gm, _copy_graph(gm.graph))
+    compat.set_boxed_codegen(copy)
+    return copy
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+def _boxed(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    def call(args: list[Any]) -> Any:
+        return fn(args)
+
+    call._boxed_call = True  # type: ignore[attr-defined]
+    return call
+
+
+class Recorder:
+    """The dynamo backend: records each graph pair and remembers which ran in a step."""
+
+    def __init__(self) -> None:
+        self.pairs: list[GraphPair] = []
+        self.ran: list[GraphPair] | None = None
+        self.args: list[list[Any]] = []  # inputs of each pair in ``ran`` (kept for profiling)
+        self.backend = compat.aot_backend(self._fw_compiler, self._bw_compiler, self._partition)
+
+    def _partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        fw, bw = compat.default_partition(joint, joint_inputs, **kwargs)
+        pair = GraphPair(len(self.pairs), fw, bw, kwargs["num_fwd_outputs"], on_run=self._note_run)
+        fw.meta[_PAIR_KEY] = bw.meta[_PAIR_KEY] = pair
+        self.pairs.append(pair)
+        log.debug("captured graph pair %d: %d forward nodes, %d backward nodes, %d saved",
+                  pair.index, len(fw.graph.nodes), len(bw.graph.nodes), len(pair.saved_nodes))
+        return fw, bw
+
+    def _fw_compiler(self, gm: fx.GraphModule, example_inputs: Any):
+        pair = gm.meta[_PAIR_KEY]
+        return _boxed(pair.call_forward)
+
+    def _bw_compiler(self, gm: fx.GraphModule, example_inputs: Any):
+        pair = gm.meta[_PAIR_KEY]
+        return _boxed(pair.call_backward)
+
+    def _note_run(self, pair: GraphPair, args: list[Any]) -> None:
+        if self.ran is None:
+            return
+        if pair in self.ran:
+            from .errors import UnsupportedModel
+
+            raise UnsupportedModel(
+                f"dynamo graph {pair.index} runs twice in one forward (a compiled region called in a "
+                "loop); fxpooch plans each graph once per step. Inline the loop (avoid graph breaks "
+                "inside it) or compile the repeated block instead of the whole model")
+        self.ran.append(pair)
+        self.args.append(list(args))
+
+    @contextlib.contextmanager
+    def recording_step(self) -> Iterator[list[GraphPair]]:
+        """Collect, in order, the pairs whose forward runs inside the block (and their inputs)."""
+        self.ran, self.args = ran, _ = [], []
+        try:
+            yield ran
+        finally:
+            self.ran = None
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module) -> Iterator[None]:
+    """Run the block, then put back the model's buffers and every RNG state."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for live, saved in buffers:
+                live.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+def capture_step(compiled: Callable[..., Any], recorder: Recorder, model: nn.Module,
+                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[GraphPair], list[list[Any]]]:
+    """Trace one forward of ``compiled`` (side-effect free): its graph pairs in order, and their inputs."""
+    with preserved_state(model), recorder.recording_step() as ran:
+        with torch.enable_grad():
+            compiled(*args, **kwargs)
+    if not ran:
+        raise compat_error_no_graph()
+    inputs, recorder.args = recorder.args, []
+    return list(ran), inputs
+
+
+def compat_error_no_graph() -> Exception:
+    from .errors import UnsupportedModel
+
+    return UnsupportedModel(
+        "dynamo captured no graph that needs gradients: check that the model has parameters with "
+        "requires_grad=True (or inputs that require grad) and that its forward uses them"
+    )

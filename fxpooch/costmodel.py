@@ -1,0 +1,224 @@
+"""Deterministic analytic (roofline) time of one node of an aten-level torch.fx graph.
+
+Nodes come from AOTAutograd / ``make_fx`` graphs: ``call_function`` nodes whose targets are
+``OpOverload``s and whose ``node.meta["val"]`` is a FakeTensor or a tuple/list of them. The model
+is ``max(flops / peak_flops, bytes / mem_bandwidth) + launch_overhead`` per kernel; nodes that
+launch no kernel (placeholders, ``getitem``, views per the op schema) cost nothing.
+
+Nothing is cached across calls and no global state is touched, so the result depends only on
+the node and the :class:`~fxpooch.hardware.Hardware`.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from .hardware import Hardware
+
+__all__ = ["is_kernel_free", "node_flops", "node_bytes", "analytic_time", "tensor_nbytes"]
+
+log = logging.getLogger("fxpooch.costmodel")
+
+# Size assumed for a data-dependent (unbacked) SymInt that has no hint; the same default as
+# torch._inductor.config.unbacked_symint_fallback.
+UNBACKED_SIZE_FALLBACK = 8192
+
+# Node kinds that never run a kernel themselves.
+_STRUCTURAL_OPS = frozenset({"placeholder", "output", "get_attr"})
+
+
+# --------------------------------------------------------------------------- schema helpers
+
+def _is_tensor_type(jit_type: Any) -> bool:
+    """True for ``Tensor``, ``Tensor?`` and ``Tensor[]`` schema types."""
+    kind = jit_type.kind()
+    if kind in ("ListType", "OptionalType"):
+        return _is_tensor_type(jit_type.getElementType())
+    return kind == "TensorType"
+
+
+def _schema_is_view(schema: torch.FunctionSchema) -> bool:
+    """True when the op writes nothing and every tensor it returns aliases an input.
+
+    Non-tensor returns (``sym_size`` -> ``SymInt``) need no kernel either, so an op that only
+    returns those, or returns nothing without mutating anything, also counts as a view.
+    """
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    for ret in schema.returns:
+        if _is_tensor_type(ret.type) and (ret.alias_info is None or ret.alias_info.is_write):
+            return False
+    return True
+
+
+def is_kernel_free(node: fx.Node) -> bool:
+    """True if ``node`` launches no kernel.
+
+    That is placeholders, outputs, ``get_attr``, ``operator.getitem``, any ``call_function``
+    whose target is not an ``OpOverload`` (plain Python functions), and aten ops whose schema
+    says they only alias their inputs (``view``, ``t``, ``expand``, ``split``, ``detach``, ...).
+    ``aten._unsafe_view`` has no alias annotation in its schema and is treated as a kernel.
+    """
+    if node.op in _STRUCTURAL_OPS or node.op != "call_function":
+        return True  # call_module / call_method do not occur in aten-level graphs
+    target = node.target
+    if target is operator.getitem or not isinstance(target, torch._ops.OpOverload):
+        return True
+    return _schema_is_view(target._schema)
+
+
+# --------------------------------------------------------------------------- tensor helpers
+
+def _hint(value: Any) -> Any:
+    """A concrete int for a SymInt (no guards added); other values unchanged.
+
+    Unbacked (data-dependent) sizes have no hint and become ``UNBACKED_SIZE_FALLBACK``.
+    """
+    if isinstance(value, torch.SymInt):
+        from torch.fx.experimental import symbolic_shapes
+
+        hint_fn = getattr(symbolic_shapes, "optimization_hint", None)  # torch >= 2.13
+        if hint_fn is not None:
+            return int(hint_fn(value, fallback=UNBACKED_SIZE_FALLBACK))
+        hint = value.node.hint  # older torch: the backing SymNode's recorded hint
+        return UNBACKED_SIZE_FALLBACK if hint is None else int(hint)
+    return value
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """``numel * element_size`` of ``t``, with symbolic sizes replaced by their hints."""
+    numel = 1
+    for size in t.shape:
+        numel *= _hint(size)
+    return int(numel) * t.element_size()
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors among the pytree leaves of ``value`` (a ``meta["val"]`` or an argument)."""
+    return [x for x in tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+def _val_bytes(node: fx.Node) -> int:
+    return sum(tensor_nbytes(t) for t in _tensors(node.meta.get("val")))
+
+
+def _to_meta(value: Any) -> Any:
+    """Rebuild a ``meta["val"]`` leaf as a real meta tensor (or a concrete int for a SymInt)."""
+    if isinstance(value, torch.Tensor):
+        size = tuple(_hint(s) for s in value.shape)
+        stride = tuple(_hint(s) for s in value.stride())
+        return torch.empty_strided(size, stride, dtype=value.dtype, device="meta")
+    return _hint(value)
+
+
+class _MissingVal(LookupError):
+    """An argument node carries no ``meta["val"]``, so the op cannot be replayed."""
+
+
+def _arg_value(arg: fx.Node) -> Any:
+    if "val" not in arg.meta:
+        raise _MissingVal(arg.name)
+    return tree_map(_to_meta, arg.meta["val"])
+
+
+def _may_have_flops(op: torch._ops.OpOverload) -> bool:
+    """Whether FlopCounterMode could count anything for ``op``.
+
+    It counts ops with a registered formula, and decomposes CompositeImplicitAutograd ops into
+    ops that may have one; anything else always yields 0, so it is not worth replaying.
+    """
+    if op.overloadpacket in flop_registry:
+        return True
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        op.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+def _without_fake_mode():
+    """Context manager that leaves an ambient FakeTensorMode (if any) while replaying on meta."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - very old torch
+        import contextlib
+
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
+
+
+# --------------------------------------------------------------------------- public API
+
+def node_flops(node: fx.Node) -> int:
+    """FLOPs of ``node`` as counted by :class:`torch.utils.flop_counter.FlopCounterMode`.
+
+    The op is replayed on meta tensors rebuilt from the arguments' ``meta["val"]``; returns 0
+    for kernel-free nodes, ops without a flop formula, and ops that cannot run on meta.
+    """
+    if is_kernel_free(node) or not _may_have_flops(node.target):
+        return 0
+    try:
+        with _without_fake_mode():
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), _arg_value)
+            counter = FlopCounterMode(display=False)
+            with counter:
+                node.target(*args, **kwargs)
+            return int(counter.get_total_flops())
+    except Exception as exc:  # a cost model must not abort planning; log and count no FLOPs
+        log.debug("node_flops: cannot replay %s (%s) on meta: %s", node.name, node.target, exc)
+        return 0
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Device-memory traffic of ``node``: bytes of its tensor inputs plus its tensor outputs.
+
+    Each distinct input node is read once (``cat([x, x])`` reads ``x`` once). In-place ops that
+    return nothing (``_foreach_add_``) are charged for writing their mutated arguments.
+    Kernel-free nodes move no bytes.
+    """
+    if is_kernel_free(node):
+        return 0
+    read = sum(_val_bytes(arg) for arg in node.all_input_nodes)
+    written = _val_bytes(node)
+    if written == 0 and isinstance(node.target, torch._ops.OpOverload):
+        written = sum(_val_bytes(arg) for arg in _mutated_args(node))
+    return read + written
+
+
+def _mutated_args(node: fx.Node) -> Iterable[fx.Node]:
+    """The argument nodes that ``node``'s schema marks as written (``Tensor(a!)``)."""
+    seen: dict[fx.Node, None] = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.kwargs.get(arg.name) if arg.name in node.kwargs else (
+            node.args[i] if i < len(node.args) else None)
+        fx.node.map_arg(value, lambda n: seen.setdefault(n, None))
+    return seen.keys()
+
+
+def _out_dtype(node: fx.Node) -> torch.dtype:
+    """dtype that sets the FLOP rate: the first output tensor's, else the first input's."""
+    for t in _tensors(node.meta.get("val")):
+        return t.dtype
+    for arg in node.all_input_nodes:
+        for t in _tensors(arg.meta.get("val")):
+            return t.dtype
+    return torch.float32
+
+
+def analytic_time(node: fx.Node, hw: Hardware) -> float:
+    """Roofline seconds for ``node`` on ``hw``; 0.0 for kernel-free nodes.
+
+    ``max(flops / hw.peak_flops(dtype), bytes / hw.mem_bandwidth) + hw.launch_overhead``, with
+    ``dtype`` the output dtype (see :meth:`Hardware.peak_flops` for the fallback).
+    """
+    if is_kernel_free(node):
+        return 0.0
+    compute = node_flops(node) / hw.peak_flops(_out_dtype(node))
+    memory = node_bytes(node) / hw.mem_bandwidth
+    return max(compute, memory) + hw.launch_overhead

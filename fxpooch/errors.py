@@ -1,0 +1,57 @@
+"""Typed errors raised by fxpooch. Each message says what to do next."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class FxpoochError(Exception):
+    """Base class of every error fxpooch raises on purpose."""
+
+
+class InvalidMemoryLimit(FxpoochError, ValueError):
+    """``mem_limit`` is not a positive byte count or a string such as ``"16GiB"``."""
+
+
+class InfeasibleMemoryLimit(FxpoochError, ValueError):
+    """No plan keeps the step's peak under ``mem_limit``.
+
+    ``min_feasible_bytes`` is the smallest limit the planner can meet; ``live`` names what
+    is resident at the peak of the most memory-frugal plan (largest first).
+    """
+
+    def __init__(self, mem_limit: int, min_feasible_bytes: int, live: Sequence[tuple[str, int]] = (),
+                 planner: str = "pooch"):
+        from .units import format_bytes
+
+        self.mem_limit = mem_limit
+        self.min_feasible_bytes = min_feasible_bytes
+        self.live = tuple(live)
+        self.planner = planner
+        top = ", ".join(f"{name} ({format_bytes(n)})" for name, n in self.live[:5])
+        msg = (
+            f"mem_limit={format_bytes(mem_limit)} ({mem_limit} bytes) is below what planner "
+            f"{planner!r} can fit: the smallest feasible limit is {format_bytes(min_feasible_bytes)} "
+            f"({min_feasible_bytes} bytes). Raise mem_limit to at least that, or reduce the batch size."
+        )
+        if top:
+            msg += f" Live at the floor's peak: {top}."
+        super().__init__(msg)
+
+
+class UnsupportedModel(FxpoochError, TypeError):
+    """The model or its inputs use something fxpooch cannot plan; the message says what instead."""
+
+
+class InvalidProfile(FxpoochError, ValueError):
+    """A saved profile does not match the graphs being planned (or is not a profile at all)."""
+
+
+class UnknownName(FxpoochError, KeyError):
+    """A planner, hardware preset or link preset name that is not registered."""
+
+    def __init__(self, kind: str, name: str, known: Sequence[str]):
+        self.kind, self.name, self.known = kind, name, tuple(known)
+        super().__init__(f"unknown {kind} {name!r}; choose one of: {', '.join(sorted(known))}")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]

@@ -1,0 +1,230 @@
+"""The planner's framework-free view of a training step: integer ids, byte counts, no fx.Node.
+
+:func:`build_step_graph` lowers captured :class:`~fxpooch.capture.GraphPair` s to a
+:class:`StepGraph` and a :class:`NodeTable` (op id -> fx.Node) that only the rewrite and the
+profiler use. Program order is every forward graph in order, then every backward graph in
+reverse order, which is how autograd runs a chain of dynamo graphs.
+"""
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from . import _torch_compat as compat
+from .capture import GraphPair
+from .costmodel import is_kernel_free
+from .memory import MemoryModel
+
+
+class Phase(str, enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class BufferKind(str, enum.Enum):
+    RESIDENT = "resident"  # parameters, buffers, inputs: exist before the step (counted once)
+    TEMP = "temp"  # freed after its last reader
+    OUTPUT = "output"  # user outputs and gradients: live until the step ends
+    TANGENT = "tangent"  # incoming output gradients: allocated when their backward starts
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    target: str
+    graph: int
+    phase: Phase
+    args: tuple[int, ...]  # ops whose values this op reads
+    allocs: tuple[int, ...]  # buffers this op creates
+    kernel: bool  # launches device work (kernel-free ops: placeholders, views, getitem)
+    recomputable: bool  # safe to run again in the backward (not random, not mutating)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    nbytes: int
+    kind: BufferKind
+
+
+@dataclass(frozen=True)
+class Activation:
+    """A storage the forward saves for the backward: what the planner decides on."""
+
+    name: str
+    graph: int
+    buffer: int
+    producer: int  # the op that allocates the storage
+    members: tuple[int, ...]  # saved forward ops whose values live on this storage
+    transfer_bytes: int  # bytes a swap moves each way (its members, copied one by one)
+    member_bytes: tuple[int, ...]
+    swappable: bool
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    ops: tuple[Op, ...]
+    buffers: tuple[Buffer, ...]
+    activations: tuple[Activation, ...]
+    resident_bytes: int
+    #: per graph index: [start, stop) op ids of its forward and of its backward
+    forward_range: tuple[tuple[int, int], ...]
+    backward_range: tuple[tuple[int, int], ...]
+    #: forward ops whose values the backward receives (activations' members and resident ones)
+    saved: frozenset[int]
+    buffer_of: tuple[tuple[int, ...], ...] = field(repr=False)  # op id -> buffers its value spans
+
+    def users(self) -> list[list[int]]:
+        users: list[list[int]] = [[] for _ in self.ops]
+        for i, op in enumerate(self.ops):
+            for a in op.args:
+                users[a].append(i)
+        return users
+
+    def backward_readers(self, act: Activation) -> list[int]:
+        members = set(act.members)
+        start, stop = self.backward_range[act.graph]
+        return [i for i in range(start, stop) if members.intersection(self.ops[i].args)]
+
+    def forward_readers(self, act: Activation) -> list[int]:
+        members = set(act.members)
+        start, stop = self.forward_range[act.graph]
+        return [i for i in range(start, stop) if i not in members and any(
+            act.buffer in self.buffer_of[a] for a in self.ops[i].args)]
+
+
+@dataclass
+class NodeTable:
+    """op id <-> fx.Node, for the stages that touch FX (profile, rewrite). Never given to a planner."""
+
+    nodes: list[fx.Node]
+    pairs: list[GraphPair]
+    op_of: dict[fx.Node, int]
+
+
+def _vals(node: fx.Node) -> list[torch.Tensor]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op != "call_function":
+        return node.op
+    if node.target is operator.getitem:
+        return "getitem"
+    return str(node.target)
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: a copy can keep its strides (empty_strided + copy_)."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_bytes: int) -> tuple[StepGraph, NodeTable]:
+    ops: list[Op] = []
+    nodes: list[fx.Node] = []
+    op_of: dict[fx.Node, int] = {}
+    buffers: list[Buffer] = []
+    buffer_of: list[tuple[int, ...]] = []
+    producer: dict[int, int] = {}  # buffer -> op that allocates it
+    activations: list[Activation] = []
+    saved: set[int] = set()
+    fw_range: list[tuple[int, int]] = []
+    bw_range: list[tuple[int, int]] = [(0, 0)] * len(pairs)
+    keys: list[dict[int, int]] = []  # per pair: storage key -> buffer id
+
+    def add_op(node: fx.Node, g: int, phase: Phase, key_to_buf: dict[int, int], kind: BufferKind) -> None:
+        allocs, spans = [], []
+        for v in _vals(node):
+            k = compat.storage_key(v)
+            if k not in key_to_buf:
+                key_to_buf[k] = len(buffers)
+                nbytes = 0 if kind is BufferKind.RESIDENT else memory.storage_bytes(v)
+                buffers.append(Buffer(node.name, nbytes, kind))
+                allocs.append(key_to_buf[k])
+                producer[key_to_buf[k]] = len(ops)
+            spans.append(key_to_buf[k])
+        args = tuple(dict.fromkeys(op_of[a] for a in node.all_input_nodes))
+        target = node.target
+        kernel = node.op == "call_function" and not is_kernel_free(node)
+        recomputable = node.op == "call_function" and not (
+            compat.is_random_op(target) or compat.is_mutating_op(target))
+        op_of[node] = len(ops)
+        nodes.append(node)
+        ops.append(Op(node.name, _target_name(node), g, phase, args, tuple(allocs), kernel, recomputable))
+        buffer_of.append(tuple(dict.fromkeys(spans)))
+
+    for g, pair in enumerate(pairs):
+        key_to_buf: dict[int, int] = {}
+        keys.append(key_to_buf)
+        out_node = pair.forward.graph.output_node()
+        user_outputs = [n for n in out_node.args[0][: pair.num_user_outputs] if isinstance(n, fx.Node)]
+        start = len(ops)
+        for node in pair.forward.graph.nodes:
+            if node.op == "output":
+                continue
+            kind = BufferKind.RESIDENT if node.op == "placeholder" else BufferKind.TEMP
+            add_op(node, g, Phase.FORWARD, key_to_buf, kind)
+        fw_range.append((start, len(ops)))
+        for n in user_outputs:  # user outputs live until the step ends
+            for b in buffer_of[op_of[n]]:
+                if buffers[b].kind is BufferKind.TEMP:
+                    buffers[b] = Buffer(buffers[b].name, buffers[b].nbytes, BufferKind.OUTPUT)
+        # activations: saved storages that the forward allocated
+        by_buffer: dict[int, list[int]] = {}
+        for n in pair.saved_nodes:
+            op_id = op_of[n]
+            saved.add(op_id)
+            for b in buffer_of[op_id]:
+                if buffers[b].kind is BufferKind.TEMP:
+                    by_buffer.setdefault(b, []).append(op_id)
+        for b, members in by_buffer.items():
+            member_vals = [_vals(nodes[m])[0] for m in members]
+            member_bytes = tuple(memory.tensor_bytes(v) for v in member_vals)
+            activations.append(Activation(
+                name=buffers[b].name, graph=g, buffer=b, producer=producer[b], members=tuple(members),
+                transfer_bytes=sum(member_bytes), member_bytes=member_bytes,
+                swappable=all(len(_vals(nodes[m])) == 1 and _is_dense(v) for m, v in zip(members, member_vals)),
+            ))
+
+    for g in reversed(range(len(pairs))):
+        pair, key_to_buf = pairs[g], keys[g]
+        bw_placeholders = [n for n in pair.backward.graph.nodes if n.op == "placeholder"]
+        saved_nodes = pair.saved_nodes
+        start = len(ops)
+        for node in pair.backward.graph.nodes:
+            if node.op == "output":
+                for n in node.all_input_nodes:  # gradients live until the step ends
+                    for b in buffer_of[op_of[n]]:
+                        if buffers[b].kind is BufferKind.TEMP:
+                            buffers[b] = Buffer(buffers[b].name, buffers[b].nbytes, BufferKind.OUTPUT)
+                continue
+            if node.op == "placeholder" and bw_placeholders.index(node) < len(saved_nodes):
+                # a saved value: the same value the forward produced
+                op_of[node] = op_of[saved_nodes[bw_placeholders.index(node)]]
+                continue
+            kind = BufferKind.TANGENT if node.op == "placeholder" else BufferKind.TEMP
+            add_op(node, g, Phase.BACKWARD, key_to_buf, kind)
+        bw_range[g] = (start, len(ops))
+
+    graph = StepGraph(
+        ops=tuple(ops), buffers=tuple(buffers), activations=tuple(activations),
+        resident_bytes=resident_bytes, forward_range=tuple(fw_range), backward_range=tuple(bw_range),
+        saved=frozenset(saved), buffer_of=tuple(buffer_of),
+    )
+    return graph, NodeTable(nodes, list(pairs), op_of)

@@ -1,0 +1,175 @@
+"""What every planner shares: the problem, a caching evaluator, prefetch placement, the floor."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..errors import InfeasibleMemoryLimit
+from ..graph import Phase, StepGraph
+from ..schedule import Decision, Kind, NotRecomputable, Schedule, build_schedule, can_recompute, member_owner
+from ..simulator import Costs, Timeline, simulate, static_memory
+
+log = logging.getLogger("fxpooch.planner")
+
+
+@dataclass(frozen=True)
+class Problem:
+    graph: StepGraph
+    costs: Costs
+    mem_limit: int
+
+
+@dataclass(frozen=True)
+class Candidate:
+    schedule: Schedule
+    timeline: Timeline
+    fits: bool
+
+    @property
+    def decisions(self) -> tuple[Decision, ...]:
+        return self.schedule.decisions
+
+    @property
+    def step_time(self) -> float:
+        return self.timeline.step_time
+
+
+def place_prefetches(graph: StepGraph, decisions: Sequence[Decision], budget: int) -> list[int]:
+    """Section 4.3: issue each swap-in as early as memory allows (FIFO on the H2D stream).
+
+    ``budget`` is the device bytes available beyond resident ones. Works on the program-order
+    memory curve of the just-in-time schedule, raising it as each prefetch moves earlier.
+    """
+    jit = build_schedule(graph, decisions)
+    mem = static_memory(jit)
+    group_start: dict[int, int] = {}  # backward op -> first instruction of its group
+    pending_group = None
+    for i, ins in enumerate(jit.instrs):
+        if ins.kind is not Kind.RUN:
+            pending_group = i if pending_group is None else pending_group
+            continue
+        group_start[ins.op] = i if pending_group is None else pending_group
+        pending_group = None
+    prefetch_index = {ins.act: i for i, ins in enumerate(jit.instrs) if ins.kind is Kind.PREFETCH}
+    placed = list(jit.prefetch_before)
+    floor_index = {}  # per backward graph: prefetches stay in FIFO order
+    for a in sorted(prefetch_index, key=prefetch_index.get):
+        g = graph.activations[a].graph
+        start, _ = graph.backward_range[g]
+        jit_i = prefetch_index[a]
+        nbytes = jit.instance_bytes[jit.instrs[jit_i].allocs[0]]
+        lo = max(group_start.get(start, 0), floor_index.get(g, 0))
+        best = jit_i
+        running = 0
+        for i in range(jit_i - 1, lo - 1, -1):
+            running = max(running, mem[i])
+            if running + nbytes > budget:
+                break
+            best = i
+        # snap to the start of a backward op's group
+        choice = jit.prefetch_before[a]
+        for op in range(start, jit.prefetch_before[a] + 1):
+            if group_start.get(op, -1) >= best:
+                choice = op
+                break
+        gi = group_start[choice]
+        for i in range(gi, jit_i):
+            mem[i] += nbytes
+        floor_index[g] = gi
+        placed[a] = choice
+    return placed
+
+
+class Evaluator:
+    """Decisions -> simulated candidate, memoised; every planner judges plans through this."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.graph = problem.graph
+        self.owner = member_owner(problem.graph)
+        self._cache: dict[tuple[tuple[Decision, ...], bool], Candidate | None] = {}
+        self.evaluations = 0
+
+    @property
+    def budget(self) -> int:
+        return self.problem.mem_limit - self.graph.resident_bytes
+
+    def evaluate(self, decisions: Sequence[Decision], early_prefetch: bool = True) -> Candidate | None:
+        """The simulated plan, or None when a recompute decision cannot be realised."""
+        key = (tuple(decisions), early_prefetch)
+        if key not in self._cache:
+            self._cache[key] = self._evaluate(key[0], early_prefetch)
+        return self._cache[key]
+
+    def _evaluate(self, decisions: tuple[Decision, ...], early: bool) -> Candidate | None:
+        try:
+            jit = build_schedule(self.graph, decisions)
+        except NotRecomputable:
+            return None
+        self.evaluations += 1
+        candidate = self._judge(jit)
+        if early and any(d is Decision.SWAP for d in decisions):
+            positions = place_prefetches(self.graph, decisions, self.budget)
+            if positions != list(jit.prefetch_before):
+                early_c = self._judge(build_schedule(self.graph, decisions, positions))
+                if early_c.fits or not candidate.fits:
+                    candidate = early_c
+        return candidate
+
+    def _judge(self, schedule: Schedule) -> Candidate:
+        tl = simulate(self.graph, schedule, self.problem.costs)
+        return Candidate(schedule, tl, tl.peak_bytes <= self.problem.mem_limit)
+
+    def can_recompute(self, a: int, decisions: Sequence[Decision]) -> bool:
+        return can_recompute(self.graph, a, decisions, self.owner)
+
+    # -- reference plans -------------------------------------------------------------------
+    def all_keep(self) -> tuple[Decision, ...]:
+        return tuple(Decision.KEEP for _ in self.graph.activations)
+
+    def all_swap(self) -> tuple[Decision, ...]:
+        return tuple(Decision.SWAP if a.swappable else Decision.KEEP for a in self.graph.activations)
+
+    def all_recompute(self) -> tuple[Decision, ...]:
+        """Recompute wherever possible (each chain then starts from kept values), swap the rest."""
+        decisions = list(self.all_swap())
+        for a in range(len(decisions)):
+            trial = decisions.copy()
+            trial[a] = Decision.RECOMPUTE
+            if all(self.can_recompute(b, trial) for b, d in enumerate(trial) if d is Decision.RECOMPUTE):
+                decisions = trial
+        return tuple(decisions)
+
+    def floor(self) -> Candidate:
+        """The most memory-frugal of the reference plans (just-in-time prefetch)."""
+        options = [self.evaluate(d, early_prefetch=False)
+                   for d in (self.all_swap(), self.all_recompute(), self.all_keep())]
+        return min((c for c in options if c is not None), key=lambda c: (c.timeline.peak_bytes, c.step_time))
+
+    def infeasible(self, planner: str) -> InfeasibleMemoryLimit:
+        floor = self.floor()
+        return InfeasibleMemoryLimit(self.problem.mem_limit, floor.timeline.peak_bytes,
+                                     live_at_peak(self.graph, floor), planner)
+
+
+def live_at_peak(graph: StepGraph, candidate: Candidate) -> list[tuple[str, int]]:
+    """Names and sizes of the device buffers live at the candidate's (program-order) peak."""
+    sched = candidate.schedule
+    mem = static_memory(sched)
+    if not mem:
+        return []
+    at = max(range(len(mem)), key=mem.__getitem__)
+    alloc_at: dict[int, int] = {}
+    for i, ins in enumerate(sched.instrs):
+        for x in ins.allocs:
+            alloc_at.setdefault(x, i)
+    live = [(graph.buffers[sched.instance_buffer[x]].name, n) for x, n in enumerate(sched.instance_bytes)
+            if n and x in alloc_at and alloc_at[x] <= at and (sched.persistent[x] or sched.last_reader[x] >= at)]
+    return sorted(live, key=lambda t: -t[1])
+
+
+def require_fit(ev: Evaluator, candidate: Candidate | None, planner: str) -> Candidate:
+    if candidate is None or not candidate.fits:
+        raise ev.infeasible(planner)
+    return candidate

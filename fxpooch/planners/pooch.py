@@ -1,0 +1,139 @@
+"""PoocH's classification (section 4.4): keep/swap search, then swap -> recompute by r(X).
+
+Step 1 starts from swap-all, reads the simulated timeline for L_O (swap-outs that end after
+the forward) and L_I (swap-ins the compute stream waits for), keeps L_O greedily from the
+output side and searches L_I exhaustively (greedily beyond ``PoochOptions.max_exhaustive``),
+with a linear scan of L_O \\ L_I at each leaf. Step 2 turns swaps into recomputes while
+r(X) = recompute_overhead / swap_overhead < 1, smallest r first.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+
+from ..schedule import Decision
+from . import register
+from .common import Candidate, Evaluator, Problem, require_fit
+
+log = logging.getLogger("fxpooch.planner.pooch")
+
+
+@dataclass(frozen=True)
+class PoochOptions:
+    #: |L_I| up to which the keep/swap search is exhaustive (2**n leaves); beyond it, greedy
+    max_exhaustive: int = 10
+    #: run step 2 (swap -> recompute); False gives the paper's "swap-opt"
+    recompute: bool = True
+
+
+def _better(a: Candidate | None, b: Candidate | None) -> bool:
+    """Is ``a`` a better fitting plan than ``b``?"""
+    if a is None or not a.fits:
+        return False
+    return b is None or not b.fits or a.step_time < b.step_time
+
+
+def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -> Candidate:
+    graph = ev.graph
+    tl = start.timeline
+    swapped = [a for a, d in enumerate(start.decisions) if d is Decision.SWAP]
+    output_first = sorted(swapped, key=lambda a: -max(graph.activations[a].members))
+    l_o = [a for a in output_first if tl.d2h_end.get(a, 0.0) > tl.forward_end]
+    l_i = [a for a in output_first if tl.stall.get(a, 0.0) > 0.0]
+    scan = [a for a in l_o if a not in set(l_i)]
+    log.debug("L_O=%d L_I=%d scan=%d", len(l_o), len(l_i), len(scan))
+
+    def leaf(decisions: list[Decision]) -> Candidate | None:
+        best = None
+        trial = decisions.copy()
+        for k in range(len(scan) + 1):
+            if k:
+                trial[scan[k - 1]] = Decision.KEEP
+            c = ev.evaluate(trial)
+            if c is None or not c.fits:
+                break  # keeping more only needs more memory
+            if _better(c, best):
+                best = c
+        return best
+
+    best = start
+    base = list(start.decisions)
+    if len(l_i) <= options.max_exhaustive:
+        for bits in itertools.product((Decision.SWAP, Decision.KEEP), repeat=len(l_i)):
+            d = base.copy()
+            for a, choice in zip(l_i, bits):
+                d[a] = choice
+            c = leaf(d)
+            if _better(c, best):
+                best = c
+    else:  # greedy over L_I, largest stall first
+        d = base.copy()
+        for a in sorted(l_i, key=lambda a: -tl.stall[a]):
+            d[a] = Decision.KEEP
+            c = leaf(d)
+            if _better(c, best):
+                best = c
+            else:
+                d[a] = Decision.SWAP
+        c = leaf(list(best.decisions))
+        best = c if _better(c, best) else best
+    return best
+
+
+def step2_swap_to_recompute(ev: Evaluator, start: Candidate) -> Candidate:
+    current = start
+    pending = [a for a, d in enumerate(current.decisions) if d is Decision.SWAP]
+    while pending:
+        ratios: dict[int, float] = {}
+        for a in pending:
+            keep = list(current.decisions)
+            keep[a] = Decision.KEEP
+            baseline = ev.evaluate(keep, early_prefetch=False)
+            rec = list(current.decisions)
+            rec[a] = Decision.RECOMPUTE
+            candidate = ev.evaluate(rec)
+            swap_overhead = current.step_time - baseline.step_time
+            if candidate is None or not candidate.fits or swap_overhead <= 0:
+                ratios[a] = math.inf
+            else:
+                ratios[a] = (candidate.step_time - baseline.step_time) / swap_overhead
+        pending = [a for a in pending if ratios[a] < 1.0]
+        if not pending:
+            break
+        best = min(pending, key=ratios.__getitem__)
+        pending.remove(best)
+        rec = list(current.decisions)
+        rec[best] = Decision.RECOMPUTE
+        current = ev.evaluate(rec)
+    return current
+
+
+def plan_pooch(problem: Problem, options: PoochOptions = PoochOptions(), name: str = "pooch") -> Candidate:
+    ev = Evaluator(problem)
+    in_core = ev.evaluate(ev.all_keep())
+    if in_core is not None and in_core.fits:
+        return in_core
+    start = ev.evaluate(ev.all_swap())
+    if start is None or not start.fits:
+        # swap-all does not fit (e.g. a slow link holds offloaded memory): start from the floor
+        start = require_fit(ev, ev.floor(), name)
+    best = step1_keep_or_swap(ev, start, options)
+    if options.recompute:
+        best = step2_swap_to_recompute(ev, best)
+    log.info("%s: %d evaluations, step %.3g s (swap-all %.3g s)", name, ev.evaluations, best.step_time,
+             start.step_time)
+    return best
+
+
+@register("pooch")
+def pooch(problem: Problem) -> Candidate:
+    """PoocH: keep/swap search (step 1) then swap -> recompute by r(X) (step 2)."""
+    return plan_pooch(problem)
+
+
+@register("swap-opt")
+def swap_opt(problem: Problem) -> Candidate:
+    """PoocH's step 1 alone: keep or swap, no recompute."""
+    return plan_pooch(problem, PoochOptions(recompute=False), name="swap-opt")

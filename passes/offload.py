@@ -1,0 +1,46 @@
+"""Forward pass: offload swapped activations after their producer; drop recomputed ones.
+
+The forward still returns one value per saved slot (AOTAutograd's contract), but a swapped
+slot now holds the host copy (``fxpooch.offload``) and a recomputed slot an empty tensor
+(``fxpooch.drop``), so the device storage dies at its last forward use.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxpooch.graph import NodeTable, StepGraph
+from fxpooch.schedule import Decision, Schedule
+
+META_KEY = "fxpooch"
+
+
+def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTable,
+                    schedule: Schedule) -> fx.GraphModule:
+    """A new forward GraphModule for graph ``g`` with offload / drop nodes inserted."""
+    new_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = new_graph.graph_copy(gm.graph, env)
+    pair = table.pairs[g]
+    replace: dict[fx.Node, fx.Node] = {}
+    for a, act in enumerate(graph.activations):
+        decision = schedule.decisions[a]
+        if act.graph != g or decision is Decision.KEEP:
+            continue
+        members = [env[table.nodes[m]] for m in act.members]
+        anchor = env[table.nodes[max(act.members)]]
+        op = torch.ops.fxpooch.offload.default if decision is Decision.SWAP else torch.ops.fxpooch.drop.default
+        with new_graph.inserting_after(anchor):
+            for member in reversed(members):
+                prefix = "offload" if decision is Decision.SWAP else "drop"
+                node = new_graph.create_node("call_function", op, (member,), name=f"{prefix}_{member.name}")
+                node.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
+                replace[member] = node
+        for member in members:
+            member.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
+    outputs = list(out)
+    k = pair.num_user_outputs
+    outputs[k:] = [replace.get(o, o) if isinstance(o, fx.Node) else o for o in outputs[k:]]
+    new_graph.output(tuple(outputs))
+    new_graph.lint()
+    return fx.GraphModule(gm, new_graph)

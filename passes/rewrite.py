@@ -1,0 +1,26 @@
+"""Realise one graph pair's part of a schedule: forward offloads, backward prefetch/wait/recompute."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from fxpooch.graph import NodeTable, StepGraph
+from fxpooch.schedule import Schedule
+
+from .offload import rewrite_forward
+from .swapin import rewrite_backward
+
+
+@dataclass(frozen=True)
+class RewrittenPair:
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+
+
+def rewrite_pair(g: int, graph: StepGraph, table: NodeTable, schedule: Schedule) -> RewrittenPair:
+    pair = table.pairs[g]
+    return RewrittenPair(
+        rewrite_forward(pair.forward, g, graph, table, schedule),
+        rewrite_backward(pair.backward, g, graph, table, schedule),
+    )

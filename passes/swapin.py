@@ -1,0 +1,87 @@
+"""Backward pass: prefetch / wait for swapped activations, recompute subgraphs before first use.
+
+The backward graph is re-emitted in the schedule's order: a ``fxpooch.prefetch`` at its
+planned position, a ``fxpooch.wait`` just before the first reader, and each recomputed
+activation's forward ops (copied, renamed ``re_*``) just before their first reader, so they
+die after their last one instead of living through the whole backward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxpooch.graph import NodeTable, StepGraph
+from fxpooch.schedule import Kind, Schedule
+
+META_KEY = "fxpooch"
+
+
+def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTable,
+                     schedule: Schedule) -> fx.GraphModule:
+    new = fx.Graph()
+    env: dict[int, fx.Node] = {}  # op id -> value in the new graph
+    host: dict[int, fx.Node] = {}  # swapped member op id -> its host-copy placeholder
+    prefetched: dict[int, fx.Node] = {}
+
+    def copy(node: fx.Node, lookup, name: str | None = None) -> fx.Node:
+        args = fx.node.map_arg(node.args, lookup)
+        kwargs = fx.node.map_arg(node.kwargs, lookup)
+        out = new.create_node(node.op, node.target, args, kwargs, name=name or node.name)
+        out.meta = dict(node.meta)
+        return out
+
+    for node in gm.graph.find_nodes(op="placeholder"):
+        ph = new.placeholder(node.name)
+        ph.meta = dict(node.meta)
+        env[table.op_of[node]] = ph
+    for a, act in enumerate(graph.activations):
+        if act.graph == g and schedule.decisions[a].value == "swap":
+            for m in act.members:
+                host[m] = env[m]
+
+    start, stop = graph.backward_range[g]
+    chain_env: dict[int, dict[int, fx.Node]] = {}
+    for ins in schedule.instrs:
+        if ins.kind is Kind.RUN and not (start <= ins.op < stop):
+            continue
+        if ins.kind in (Kind.PREFETCH, Kind.WAIT, Kind.RECOMPUTE) and graph.activations[ins.act].graph != g:
+            continue
+        if ins.kind is Kind.OFFLOAD:
+            continue
+        act = graph.activations[ins.act] if ins.act >= 0 else None
+        if ins.kind is Kind.PREFETCH:
+            for m in act.members:
+                device = table.nodes[m].meta["val"].device
+                p = new.create_node("call_function", torch.ops.fxpooch.prefetch.default, (host[m], device),
+                                    name=f"prefetch_{table.nodes[m].name}")
+                p.meta[META_KEY] = {"activation": act.name, "decision": "swap"}
+                prefetched[m] = p
+        elif ins.kind is Kind.WAIT:
+            for m in act.members:
+                w = new.create_node("call_function", torch.ops.fxpooch.wait.default, (prefetched[m],),
+                                    name=f"wait_{table.nodes[m].name}")
+                w.meta[META_KEY] = {"activation": act.name, "decision": "swap"}
+                env[m] = w
+        elif ins.kind is Kind.RECOMPUTE:
+            local = chain_env.setdefault(ins.act, {})
+            node = table.nodes[ins.op]
+
+            def lookup(x: fx.Node, local=local) -> fx.Node:
+                i = table.op_of[x]
+                return local[i] if i in local else env[i]
+
+            r = copy(node, lookup, name=f"re_{node.name}")
+            r.meta[META_KEY] = {"activation": act.name, "decision": "recompute", "recomputes": node.name}
+            local[ins.op] = r
+            if ins.op in act.members and all(m in local for m in act.members):
+                for m in act.members:
+                    env[m] = local[m]
+        else:
+            node = table.nodes[ins.op]
+            if node.op == "placeholder":
+                continue
+            env[ins.op] = copy(node, lambda x: env[table.op_of[x]])
+    output = gm.graph.output_node()
+    new.output(fx.node.map_arg(output.args[0], lambda x: env[table.op_of[x]]))
+    new.lint()
+    return fx.GraphModule(gm, new)
