@@ -72,9 +72,11 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
     return new
 
 
-def _boxed(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+def _boxed(pair: GraphPair, backward: bool) -> Callable[[list[Any]], Any]:
+    """AOTAutograd's boxed calling convention; looks the pair's method up at each call."""
+
     def call(args: list[Any]) -> Any:
-        return fn(args)
+        return pair.call_backward(args) if backward else pair.call_forward(args)
 
     call._boxed_call = True  # type: ignore[attr-defined]
     return call
@@ -100,11 +102,11 @@ class Recorder:
 
     def _fw_compiler(self, gm: fx.GraphModule, example_inputs: Any):
         pair = gm.meta[_PAIR_KEY]
-        return _boxed(pair.call_forward)
+        return _boxed(pair, backward=False)
 
     def _bw_compiler(self, gm: fx.GraphModule, example_inputs: Any):
         pair = gm.meta[_PAIR_KEY]
-        return _boxed(pair.call_backward)
+        return _boxed(pair, backward=True)
 
     def _note_run(self, pair: GraphPair, args: list[Any]) -> None:
         if self.ran is None:

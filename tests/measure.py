@@ -1,0 +1,51 @@
+"""Measure a compiled step's device-memory peak independently of the planner.
+
+Dynamo runs a model eagerly while a TorchDispatchMode is active, so the counter is entered
+around each captured graph's execution instead (and around the creation of the incoming
+gradient), which observes the storages the executed ops really create.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+
+from fxpooch.capture import GraphPair
+from memcount import LiveStorageCounter
+
+HOST_OPS = {"fxpooch::offload"}
+
+
+@contextlib.contextmanager
+def counting_graphs(counter: LiveStorageCounter) -> Iterator[list[str]]:
+    """Run every graph call under ``counter``; yields the list of graphs that ran."""
+    ran: list[str] = []
+    fw, bw = GraphPair.call_forward, GraphPair.call_backward
+
+    def call_forward(self, args):
+        ran.append(f"forward{self.index}")
+        with counter:
+            return fw(self, args)
+
+    def call_backward(self, args):
+        ran.append(f"backward{self.index}")
+        with counter:
+            return bw(self, args)
+
+    with mock.patch.object(GraphPair, "call_forward", call_forward), \
+            mock.patch.object(GraphPair, "call_backward", call_backward):
+        yield ran
+
+
+def measured_step_peak(compiled, args: tuple, resident: int) -> int:
+    """Peak device bytes of one forward + backward(ones) of ``compiled``, resident included."""
+    counter = LiveStorageCounter(host_ops=HOST_OPS)
+    with counting_graphs(counter) as ran:
+        out = compiled(*args)
+        with counter:
+            grad = torch.ones_like(out)
+        out.backward(grad)
+    assert any(r.startswith("forward") for r in ran) and any(r.startswith("backward") for r in ran), ran
+    return resident + counter.peak_bytes
