@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from . import runtime as _runtime  # noqa: F401  (registers the fxpooch:: ops)
-from .api import CompiledModule, CompileOptions, compile
+from .api import CompiledModule, CompileOptions, compile, plan
 from .errors import (FxpoochError, InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidProfile, UnknownName,
                      UnsupportedModel)
 from .hardware import PRESETS as HARDWARE_PRESETS
@@ -20,5 +20,5 @@ __version__ = "0.1.0"
 __all__ = [
     "HARDWARE_PRESETS", "PLANNERS", "CompileOptions", "CompiledModule", "FxpoochError", "Hardware",
     "InfeasibleMemoryLimit", "InvalidMemoryLimit", "InvalidProfile", "Link", "Plan", "Profile",
-    "UnknownName", "UnsupportedModel", "compile",
+    "UnknownName", "UnsupportedModel", "compile", "plan",
 ]

@@ -107,50 +107,56 @@ class CompiledModule(nn.Module):
         return self._compiled(*args, **kwargs)
 
     def _plan_for(self, args: tuple, kwargs: dict) -> _Planned:
-        device = _step_device(self.model, args, kwargs)
-        memory = MemoryModel.for_device(device)
-        pairs, pair_inputs = capture_step(self._compiled, self._recorder, self.model, args, kwargs)
-        resident = memory.resident_bytes(
-            [*self.model.parameters(), *self.model.buffers(),
-             *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))])
-        graph, table = build_step_graph(pairs, memory, resident)
-        profile = self._profile(graph, table, pair_inputs, device)
-        del pair_inputs
-        costs = profile.costs(graph)
-        name = self.options.planner
-        candidate = get_planner(name)(Problem(graph, costs, self.mem_limit))
-        in_core = simulate(graph, build_schedule(graph, [d.KEEP for d in candidate.decisions]), costs)
-        plan = Plan(
-            planner=name, mem_limit=self.mem_limit, peak_bytes=candidate.timeline.peak_bytes,
-            step_time=candidate.step_time, in_core_time=in_core.step_time, in_core_peak_bytes=in_core.peak_bytes,
-            decisions={n: d.value for n, d in zip(activation_names(graph), candidate.decisions)},
-            graph=graph, schedule=candidate.schedule, timeline=candidate.timeline, profile=profile,
-        )
-        log.info("planned with %s: peak %d bytes (limit %d), %s", name, plan.peak_bytes, self.mem_limit,
-                 plan.counts())
-        return _Planned(plan, graph, table, pairs)
+        return _make_plan(self._compiled, self._recorder, self.model, args, kwargs, self.mem_limit, self.options)
 
-    def _profile(self, graph: StepGraph, table: NodeTable, inputs: list, device: torch.device) -> Profile:
-        opt = self.options
-        hardware = opt.hardware
-        if isinstance(hardware, str):
-            hardware = get_hardware(hardware)
-        if isinstance(opt.profile, Profile):
-            return opt.profile
-        if opt.profile == "analytic":
-            hw = hardware or get_hardware("cpu" if device.type == "cpu" else "h100-pcie5")
-            profile = analytic_profile(graph, table, hw)
-        elif opt.profile == "measure":
-            link = opt.link or (hardware.link if hardware else None)
-            if link is None:
-                link = measure_link(device) if device.type == "cuda" else get_hardware("cpu").link
-            profile = measure_profile(graph, table, inputs, link)
-        elif isinstance(opt.profile, (str, os.PathLike)) and os.path.exists(opt.profile):
-            profile = Profile.load(opt.profile)
-        else:
-            raise InvalidProfile(
-                f"profile={opt.profile!r}: pass 'measure', 'analytic', a Profile or the path of a saved profile")
-        return profile.with_link(opt.link) if opt.link else profile
+
+def _resolve_profile(options: CompileOptions, graph: StepGraph, table: NodeTable, inputs: list,
+                     device: torch.device) -> Profile:
+    hardware = options.hardware
+    if isinstance(hardware, str):
+        hardware = get_hardware(hardware)
+    if isinstance(options.profile, Profile):
+        profile = options.profile
+    elif options.profile == "analytic" or device.type == "meta":
+        hw = hardware or get_hardware("cpu" if device.type == "cpu" else "h100-pcie5")
+        profile = analytic_profile(graph, table, hw)
+    elif options.profile == "measure":
+        link = options.link or (hardware.link if hardware else None)
+        if link is None:
+            link = measure_link(device) if device.type == "cuda" else get_hardware("cpu").link
+        profile = measure_profile(graph, table, inputs, link)
+    elif isinstance(options.profile, (str, os.PathLike)) and os.path.exists(options.profile):
+        profile = Profile.load(options.profile)
+    else:
+        raise InvalidProfile(
+            f"profile={options.profile!r}: pass 'measure', 'analytic', a Profile or the path of a saved profile")
+    return profile.with_link(options.link) if options.link else profile
+
+
+def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple, kwargs: dict, mem_limit: int,
+               options: CompileOptions) -> _Planned:
+    """Capture one step, profile it, plan it. Nothing is rewritten or bound yet."""
+    device = _step_device(model, args, kwargs)
+    memory = MemoryModel.for_device(device)
+    pairs, pair_inputs = capture_step(compiled, recorder, model, args, kwargs)
+    resident = memory.resident_bytes(
+        [*model.parameters(), *model.buffers(),
+         *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))])
+    graph, table = build_step_graph(pairs, memory, resident)
+    profile = _resolve_profile(options, graph, table, pair_inputs, device)
+    del pair_inputs
+    costs = profile.costs(graph)
+    name = options.planner
+    candidate = get_planner(name)(Problem(graph, costs, mem_limit))
+    in_core = simulate(graph, build_schedule(graph, [d.KEEP for d in candidate.decisions]), costs)
+    plan = Plan(
+        planner=name, mem_limit=mem_limit, peak_bytes=candidate.timeline.peak_bytes,
+        step_time=candidate.step_time, in_core_time=in_core.step_time, in_core_peak_bytes=in_core.peak_bytes,
+        decisions={n: d.value for n, d in zip(activation_names(graph), candidate.decisions)},
+        graph=graph, schedule=candidate.schedule, timeline=candidate.timeline, profile=profile,
+    )
+    log.info("planned with %s: peak %d bytes (limit %d), %s", name, plan.peak_bytes, mem_limit, plan.counts())
+    return _Planned(plan, graph, table, pairs)
 
 
 @dataclass
@@ -194,14 +200,7 @@ def measure_link(device: torch.device, nbytes: int = 64 * 2**20) -> Link:
     return Link("measured", bw, latency)
 
 
-def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "pooch",
-            profile: str | Profile | os.PathLike = "measure", hardware: str | Hardware | None = None,
-            link: Link | None = None) -> CompiledModule:
-    """Plan ``model``'s training step to fit ``mem_limit`` and return a module that runs that plan.
-
-    The model runs once here to trace it (its buffers and the RNG state are put back). The
-    returned module's backward puts gradients on ``model``'s parameters.
-    """
+def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, planner: str):
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"model must be a torch.nn.Module, got {type(model).__name__}")
     limit = parse_bytes(mem_limit)
@@ -210,6 +209,33 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModel("the model has no parameters that require grad: there is no training step "
                                "to plan (use torch.no_grad() inference instead)")
+    return limit, args, kwargs
+
+
+def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "pooch",
+         profile: str | Profile | os.PathLike = "analytic", hardware: str | Hardware | None = None,
+         link: Link | None = None) -> Plan:
+    """Plan without running anything: works on a model and inputs on the ``meta`` device.
+
+    On meta tensors, bytes are counted as CUDA's allocator would and times come from the
+    analytic model of ``hardware``. Nothing is rewritten; the model's state is untouched.
+    """
+    limit, args, kwargs = _check_call(model, example_input, mem_limit, planner)
+    recorder = Recorder()
+    compiled = torch.compile(model, backend=recorder.backend, dynamic=False)
+    return _make_plan(compiled, recorder, model, args, kwargs, limit,
+                      CompileOptions(planner, profile, hardware, link)).plan
+
+
+def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "pooch",
+            profile: str | Profile | os.PathLike = "measure", hardware: str | Hardware | None = None,
+            link: Link | None = None) -> CompiledModule:
+    """Plan ``model``'s training step to fit ``mem_limit`` and return a module that runs that plan.
+
+    The model runs once here to trace it (its buffers and the RNG state are put back). The
+    returned module's backward puts gradients on ``model``'s parameters.
+    """
+    limit, args, kwargs = _check_call(model, example_input, mem_limit, planner)
     compiled = CompiledModule(model, limit, CompileOptions(planner, profile, hardware, link))
     planned = compiled._plan_for(args, kwargs)
     compiled._plans[_signature(args, kwargs)] = planned

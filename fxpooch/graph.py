@@ -197,7 +197,7 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
             member_vals = [_vals(nodes[m])[0] for m in members]
             member_bytes = tuple(memory.tensor_bytes(v) for v in member_vals)
             activations.append(Activation(
-                name=buffers[b].name, graph=g, buffer=b, producer=producer[b], members=tuple(members),
+                name=nodes[members[0]].name, graph=g, buffer=b, producer=producer[b], members=tuple(members),
                 transfer_bytes=sum(member_bytes), member_bytes=member_bytes,
                 swappable=all(len(_vals(nodes[m])) == 1 and _is_dense(v) for m, v in zip(members, member_vals)),
             ))

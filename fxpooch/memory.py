@@ -19,8 +19,10 @@ class MemoryModel:
     alignment: int = 1
 
     @classmethod
-    def for_device(cls, device: torch.device) -> MemoryModel:
-        return cls(CUDA_ALLOCATOR_ALIGNMENT if device.type == "cuda" else 1)
+    def for_device(cls, device: torch.device | str) -> MemoryModel:
+        """CUDA's allocator rounding for "cuda" (and for "meta": planning for a GPU), exact bytes on CPU."""
+        kind = torch.device(device).type
+        return cls(CUDA_ALLOCATOR_ALIGNMENT if kind in ("cuda", "meta") else 1)
 
     def round(self, nbytes: int) -> int:
         if nbytes <= 0:
@@ -38,8 +40,10 @@ class MemoryModel:
 
     def resident_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
         """Bytes of the distinct storages of ``tensors`` (parameters, buffers, inputs)."""
+        from ._torch_compat import storage_key
+
         seen: dict[int, int] = {}
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                seen.setdefault(t.untyped_storage().data_ptr(), self.storage_bytes(t))
+            if isinstance(t, torch.Tensor):
+                seen.setdefault(storage_key(t), self.storage_bytes(t))
         return sum(seen.values())

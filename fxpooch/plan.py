@@ -50,7 +50,8 @@ class Plan:
 
     def rows(self) -> list[list[object]]:
         rows = []
-        for name, act, d in zip(self.decisions, self.graph.activations, self.schedule.decisions):
+        names = activation_names(self.graph)
+        for name, act, d in zip(names, self.graph.activations, self.schedule.decisions, strict=True):
             op = self.graph.ops[act.producer]
             rows.append([name, op.target, format_bytes(self.graph.buffers[act.buffer].nbytes), d.value])
         return rows

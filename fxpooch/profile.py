@@ -130,6 +130,14 @@ def _cuda_clock() -> Callable[[], float]:
     return stop
 
 
+def _real_like(val: Any, device: torch.device) -> torch.Tensor | None:
+    """A real tensor of the traced value's shape, strides and dtype (an incoming gradient)."""
+    if not isinstance(val, torch.Tensor):
+        return None
+    return torch.ones(val.shape, dtype=val.dtype, device=device).as_strided(val.shape, val.stride()) \
+        if val.is_contiguous() else torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device).fill_(1)
+
+
 def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[list[Any]], link: Link,
                     repeats: int = 3) -> Profile:
     """Time every node of every captured graph pair on real inputs (median of ``repeats``)."""
@@ -147,8 +155,8 @@ def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[l
                 with torch.no_grad():
                     outs = fw.run(*args)
                 saved = list(outs[pair.num_user_outputs:])
-                tangents = [torch.ones_like(n.meta["val"], device=device) if isinstance(n.meta.get("val"), torch.Tensor)
-                            else None for n in pair.backward.graph.find_nodes(op="placeholder")[len(saved):]]
+                tangents = [_real_like(n.meta.get("val"), device)
+                            for n in pair.backward.graph.find_nodes(op="placeholder")[len(saved):]]
                 bw = _NodeTimer(pair.backward, clock)
                 with torch.no_grad():
                     bw.run(*saved, *tangents)
