@@ -68,3 +68,36 @@ def is_mutating_op(target: Any) -> bool:
 
 def is_cuda_graph_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+#: Each compiled module owns its entry function; inner frames (after graph breaks) are shared
+#: by every compile of the same model class, so dynamo's per-code recompile cap is raised while
+#: fxpooch code runs (otherwise the 9th compile of a class silently runs eagerly).
+_RECOMPILE_LIMIT = 1 << 16
+
+
+def dynamo_limits():
+    """Context manager: dynamo's recompile caps raised for the duration of one fxpooch call."""
+    import torch._dynamo.config as dcfg
+
+    names = {n: _RECOMPILE_LIMIT for n in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                                             "accumulated_cache_size_limit") if hasattr(dcfg, n)}
+    return dcfg.patch(**names)
+
+
+def fresh_entry(model: Callable, tag: str) -> Callable:
+    """A function calling ``model`` whose code object is new, so dynamo caches it separately."""
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
+
+    step.__code__ = step.__code__.replace(co_name=tag)
+    step.__name__ = step.__qualname__ = tag
+    return step
+
+
+def dispatch_mode_active() -> bool:
+    """True under a TorchDispatchMode (dynamo then runs the model eagerly, without our graphs)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None

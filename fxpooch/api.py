@@ -1,6 +1,7 @@
 """``fxpooch.compile``: capture -> profile -> plan -> rewrite -> run, one plan per input shape."""
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Mapping
@@ -11,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from . import _torch_compat as compat
 from .capture import GraphPair, Recorder, capture_step
 from .errors import InvalidProfile, UnsupportedModel
 from .graph import NodeTable, StepGraph, build_step_graph
@@ -35,6 +37,14 @@ class CompileOptions:
     profile: str | Profile | os.PathLike = "measure"
     hardware: str | Hardware | None = None  # analytic costs and the default link
     link: Link | None = None  # overrides the hardware's link
+
+
+_entries = itertools.count()
+
+
+def _compile_entry(model: nn.Module, recorder: Recorder) -> Any:
+    entry = compat.fresh_entry(model, f"fxpooch_step_{next(_entries)}")
+    return torch.compile(entry, backend=recorder.backend, dynamic=False)
 
 
 def _split_example(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -72,7 +82,7 @@ class CompiledModule(nn.Module):
         self.mem_limit = mem_limit
         self.options = options
         self._recorder = Recorder()
-        self._compiled = torch.compile(model, backend=self._recorder.backend, dynamic=False)
+        self._compiled = _compile_entry(model, self._recorder)
         self._plans: dict[tuple, _Planned] = {}
         self._current: _Planned | None = None
 
@@ -94,7 +104,9 @@ class CompiledModule(nn.Module):
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        key = _signature(args, kwargs)
+        if compat.dispatch_mode_active():
+            log.warning("a TorchDispatchMode is active: dynamo runs the model eagerly, without fxpooch's plan")
+        key = (self.model.training, _signature(args, kwargs))
         planned = self._plans.get(key)
         if planned is None:
             if self._plans:
@@ -104,7 +116,8 @@ class CompiledModule(nn.Module):
         if planned is not self._current:
             planned.bind()
             self._current = planned
-        return self._compiled(*args, **kwargs)
+        with compat.dynamo_limits():
+            return self._compiled(*args, **kwargs)
 
     def _plan_for(self, args: tuple, kwargs: dict) -> _Planned:
         return _make_plan(self._compiled, self._recorder, self.model, args, kwargs, self.mem_limit, self.options)
@@ -138,7 +151,8 @@ def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple,
     """Capture one step, profile it, plan it. Nothing is rewritten or bound yet."""
     device = _step_device(model, args, kwargs)
     memory = MemoryModel.for_device(device)
-    pairs, pair_inputs = capture_step(compiled, recorder, model, args, kwargs)
+    with compat.dynamo_limits():
+        pairs, pair_inputs = capture_step(compiled, recorder, model, args, kwargs)
     resident = memory.resident_bytes(
         [*model.parameters(), *model.buffers(),
          *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))])
@@ -222,7 +236,7 @@ def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner:
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner)
     recorder = Recorder()
-    compiled = torch.compile(model, backend=recorder.backend, dynamic=False)
+    compiled = _compile_entry(model, recorder)
     return _make_plan(compiled, recorder, model, args, kwargs, limit,
                       CompileOptions(planner, profile, hardware, link)).plan
 
@@ -238,7 +252,7 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner)
     compiled = CompiledModule(model, limit, CompileOptions(planner, profile, hardware, link))
     planned = compiled._plan_for(args, kwargs)
-    compiled._plans[_signature(args, kwargs)] = planned
+    compiled._plans[(model.training, _signature(args, kwargs))] = planned
     planned.bind()
     compiled._current = planned
     return compiled

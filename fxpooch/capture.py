@@ -82,6 +82,47 @@ def _boxed(pair: GraphPair, backward: bool) -> Callable[[list[Any]], Any]:
     return call
 
 
+def save_all_primals(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int) -> None:
+    """Also hand every differentiable input of the forward (the parameters) to the backward.
+
+    They are resident anyway, so this costs no memory, and it lets the backward recompute
+    activations from them. Inputs without a gradient (BatchNorm's running statistics, which
+    the step mutates) are left out: autograd would reject them as modified saved tensors.
+    Added after the saved tensors, before saved symints (AOTAutograd's order for both the
+    forward's outputs and the backward's placeholders).
+    """
+    out_node = fw.graph.output_node()
+    outs = list(out_node.args[0])
+    saved = outs[num_user_outputs:]
+    n_tensors = sum(1 for n in saved if isinstance(n, fx.Node) and isinstance(n.meta.get("val"), torch.Tensor))
+    if any(not isinstance(n.meta.get("val"), torch.Tensor) for n in saved[:n_tensors]):
+        return  # not the layout we know: leave the pair as partitioned
+    have = set(saved)
+    grads = bw.graph.output_node().args[0]
+    primals = fw.graph.find_nodes(op="placeholder")
+    if len(grads) != len(primals):
+        return
+    extra = [p for p, g in zip(primals, grads)
+             if g is not None and p not in have and isinstance(p.meta.get("val"), torch.Tensor) and p.users]
+    if not extra:
+        return
+    cut = num_user_outputs + n_tensors
+    out_node.args = (tuple(outs[:cut] + extra + outs[cut:]),)
+    bw_placeholders = bw.graph.find_nodes(op="placeholder")
+    anchor = bw_placeholders[n_tensors] if n_tensors < len(bw_placeholders) else None
+    for p in extra:
+        if anchor is None:
+            with bw.graph.inserting_after(bw_placeholders[-1] if bw_placeholders else None):
+                new = bw.graph.placeholder(p.name)
+        else:
+            with bw.graph.inserting_before(anchor):
+                new = bw.graph.placeholder(p.name)
+        new.meta = dict(p.meta)
+        bw_placeholders = bw.graph.find_nodes(op="placeholder")
+    fw.recompile()
+    bw.recompile()
+
+
 class Recorder:
     """The dynamo backend: records each graph pair and remembers which ran in a step."""
 
@@ -93,6 +134,7 @@ class Recorder:
 
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         fw, bw = compat.default_partition(joint, joint_inputs, **kwargs)
+        save_all_primals(fw, bw, kwargs["num_fwd_outputs"])
         pair = GraphPair(len(self.pairs), fw, bw, kwargs["num_fwd_outputs"], on_run=self._note_run)
         fw.meta[_PAIR_KEY] = bw.meta[_PAIR_KEY] = pair
         self.pairs.append(pair)

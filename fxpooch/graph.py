@@ -19,6 +19,7 @@ from . import _torch_compat as compat
 from .capture import GraphPair
 from .costmodel import is_kernel_free
 from .memory import MemoryModel
+from .recompute import recompute_inputs
 
 
 class Phase(str, enum.Enum):
@@ -40,6 +41,7 @@ class Op:
     graph: int
     phase: Phase
     args: tuple[int, ...]  # ops whose values this op reads
+    recompute_args: tuple[int, ...]  # ops its recomputation reads (see fxpooch.recompute)
     allocs: tuple[int, ...]  # buffers this op creates
     kernel: bool  # launches device work (kernel-free ops: placeholders, views, getitem)
     recomputable: bool  # safe to run again in the backward (not random, not mutating)
@@ -160,13 +162,15 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                 producer[key_to_buf[k]] = len(ops)
             spans.append(key_to_buf[k])
         args = tuple(dict.fromkeys(op_of[a] for a in node.all_input_nodes))
+        recompute_args = tuple(dict.fromkeys(op_of[a] for a in recompute_inputs(node)))
         target = node.target
         kernel = node.op == "call_function" and not is_kernel_free(node)
         recomputable = node.op == "call_function" and not (
             compat.is_random_op(target) or compat.is_mutating_op(target))
         op_of[node] = len(ops)
         nodes.append(node)
-        ops.append(Op(node.name, _target_name(node), g, phase, args, tuple(allocs), kernel, recomputable))
+        ops.append(Op(node.name, _target_name(node), g, phase, args, recompute_args, tuple(allocs), kernel,
+                      recomputable))
         buffer_of.append(tuple(dict.fromkeys(spans)))
 
     for g, pair in enumerate(pairs):

@@ -83,7 +83,7 @@ def recompute_chain(graph: StepGraph, a: int, decisions: Sequence[Decision],
         if not op.recomputable:
             raise NotRecomputable(f"{graph.activations[a].name}: {op.name} ({op.target}) is random or mutating")
         chain.add(x)
-        stack.extend(op.args)
+        stack.extend(op.recompute_args)
     return tuple(sorted(chain))
 
 
@@ -115,7 +115,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
     for b, ops in chains.items():
         if b not in first_use:
             continue
-        for a in {owner[x] for o in ops for x in graph.ops[o].args if x in owner} - {b}:
+        for a in {owner[x] for o in ops for x in graph.ops[o].recompute_args if x in owner} - {b}:
             if decisions[a] is Decision.SWAP and a in first_use:
                 first_use[a] = min(first_use[a], first_use[b])
     prefetch = [-1] * len(acts)
@@ -157,7 +157,8 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
 
     def reads_of(op_id: int, chain_of: int | None = None, backward: bool = True) -> tuple[int, ...]:
         out: dict[int, None] = {}
-        for x in graph.ops[op_id].args:
+        op = graph.ops[op_id]
+        for x in (op.recompute_args if chain_of is not None else op.args):
             for buf in graph.buffer_of[x]:
                 i = view(buf, chain_of) if backward else (
                     None if graph.buffers[buf].kind is BufferKind.RESIDENT else inst(buf, ORIGINAL))

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from fxpooch.graph import NodeTable, StepGraph
+from fxpooch.recompute import recompute_call
 from fxpooch.schedule import Kind, Schedule
 
 META_KEY = "fxpooch"
@@ -70,7 +71,9 @@ def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTa
                 i = table.op_of[x]
                 return local[i] if i in local else env[i]
 
-            r = copy(node, lookup, name=f"re_{node.name}")
+            target, args, kwargs = recompute_call(node, lookup)
+            r = new.create_node("call_function", target, args, kwargs, name=f"re_{node.name}")
+            r.meta = dict(node.meta)
             r.meta[META_KEY] = {"activation": act.name, "decision": "recompute", "recomputes": node.name}
             local[ins.op] = r
             if ins.op in act.members and all(m in local for m in act.members):

@@ -61,10 +61,10 @@ def _seeded(build: Callable[[], nn.Module], input_shape: tuple[int, ...],
 
 # ----------------------------------------------------------------------------- MLP
 def mlp(seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
-    """4-layer MLP ``Linear(512,512) -> ReLU`` x3 ``-> Linear``; input (512, 512).
+    """4-layer MLP ``Linear(512,512) -> ReLU`` x3 ``-> Linear``; input (2048, 512).
 
-    Every activation (each Linear and ReLU output) is exactly 1 MiB; each weight
-    is 1 MiB and each bias 2 KiB.
+    Every activation (each Linear and ReLU output) is exactly 4 MiB; each weight
+    is 1 MiB and each bias 2 KiB, so activations dominate as in real out-of-core cases.
     """
     def build() -> nn.Module:
         return nn.Sequential(
@@ -73,7 +73,7 @@ def mlp(seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
             nn.Linear(WIDTH, WIDTH), nn.ReLU(),
             nn.Linear(WIDTH, WIDTH),
         )
-    return _seeded(build, (WIDTH, WIDTH), seed)
+    return _seeded(build, (4 * WIDTH, WIDTH), seed)
 
 
 # ----------------------------------------------------------------------------- CNN + BN

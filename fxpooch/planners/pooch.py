@@ -11,9 +11,12 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..graph import StepGraph
 from ..schedule import Decision
+from ..simulator import Timeline
 from . import register
 from .common import Candidate, Evaluator, Problem, require_fit
 
@@ -35,13 +38,23 @@ def _better(a: Candidate | None, b: Candidate | None) -> bool:
     return b is None or not b.fits or a.step_time < b.step_time
 
 
-def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -> Candidate:
-    graph = ev.graph
-    tl = start.timeline
-    swapped = [a for a, d in enumerate(start.decisions) if d is Decision.SWAP]
+def overhead_sets(graph: StepGraph, timeline: Timeline,
+                  decisions: Sequence[Decision]) -> tuple[list[int], list[int]]:
+    """Section 4.4.2 (Fig. 11): the swapped activations whose transfers computation does not hide.
+
+    ``L_O``: swap-outs that end after the forward's last op; ``L_I``: swap-ins the compute
+    stream waits for. Both list activation ids output side first (latest producer first).
+    """
+    swapped = [a for a, d in enumerate(decisions) if d is Decision.SWAP]
     output_first = sorted(swapped, key=lambda a: -max(graph.activations[a].members))
-    l_o = [a for a in output_first if tl.d2h_end.get(a, 0.0) > tl.forward_end]
-    l_i = [a for a in output_first if tl.stall.get(a, 0.0) > 0.0]
+    l_o = [a for a in output_first if timeline.d2h_end.get(a, 0.0) > timeline.forward_end]
+    l_i = [a for a in output_first if timeline.stall.get(a, 0.0) > 0.0]
+    return l_o, l_i
+
+
+def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -> Candidate:
+    tl = start.timeline
+    l_o, l_i = overhead_sets(ev.graph, tl, start.decisions)
     scan = [a for a in l_o if a not in set(l_i)]
     log.debug("L_O=%d L_I=%d scan=%d", len(l_o), len(l_i), len(scan))
 

@@ -1,0 +1,302 @@
+"""A plan's memory over time as a standalone SVG picture (plain string building, no plotting library).
+
+The picture shows device memory of the planned step against the in-core step (every activation
+kept, same costs) and the limit, with the peaks marked, the forward / backward boundary, and
+under the plot three lanes of what the plan adds: offloads (D2H), prefetches (H2D), and on the
+compute stream recomputations and stalls waiting for a prefetch.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+from xml.sax.saxutils import escape
+
+from .schedule import Kind
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+log = logging.getLogger("fxpooch.svg")
+
+Box = tuple[float, float, float, float]  # x0, y0, x1, y1 in pixels
+
+WIDTH, HEIGHT = 1000, 540
+LEFT, RIGHT = 84, 24  # plot margins (pixels)
+PLOT_TOP, PLOT_BOTTOM = 96, 400
+LANE_TOP, LANE_HEIGHT, LANE_GAP = 420, 16, 6
+FONT = "Helvetica, Arial, sans-serif"
+COLORS = {"plan": "#1f6fb4", "in-core": "#8c8c8c", "limit": "#d62728", "offload": "#2ca02c",
+          "prefetch": "#9467bd", "recompute": "#ff7f0e", "stall": "#d62728", "grid": "#e6e6e6",
+          "text": "#222222", "muted": "#666666"}
+
+
+def _nice_step(span: float, target: int) -> float:
+    """A 1/2/5 x 10^k step giving about ``target`` ticks over ``span``."""
+    if span <= 0:
+        return 1.0
+    raw = span / target
+    mag = 10 ** math.floor(math.log10(raw))
+    for m in (1, 2, 2.5, 5, 10):
+        if raw <= m * mag:
+            return m * mag
+    return 10 * mag
+
+
+def _ticks(hi: float, target: int) -> tuple[list[float], float]:
+    step = _nice_step(hi, target)
+    n = int(math.ceil(hi / step - 1e-9))
+    return [i * step for i in range(n + 1)], step
+
+
+def _label(v: float, step: float) -> str:
+    decimals = max(0, -int(math.floor(math.log10(step))) + (1 if step / 10 ** math.floor(math.log10(step)) == 2.5
+                                                             else 0)) if step < 1 else 0
+    return f"{v:.{decimals}f}"
+
+
+def _byte_unit(nbytes: float) -> tuple[str, float]:
+    for name, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return name, scale
+    return "B", 1
+
+
+def _merge(intervals: Iterable[tuple[float, float]], min_gap: float) -> list[tuple[float, float]]:
+    """Sorted intervals merged where the gap between them is below ``min_gap`` (in their units)."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s - out[-1][1] <= min_gap:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+class _Canvas:
+    """Pixel mapping and SVG element helpers for one picture."""
+
+    def __init__(self, t_max: float, y_max: float):
+        self.t_max, self.y_max = t_max, y_max
+        self.parts: list[str] = []
+
+    def x(self, t: float) -> float:
+        return LEFT + (WIDTH - LEFT - RIGHT) * t / self.t_max
+
+    def y(self, v: float) -> float:
+        return PLOT_BOTTOM - (PLOT_BOTTOM - PLOT_TOP) * v / self.y_max
+
+    def add(self, s: str) -> None:
+        self.parts.append(s)
+
+    def text(self, x: float, y: float, s: str, size: float = 12, anchor: str = "start", color: str | None = None,
+             weight: str = "normal") -> None:
+        self.add(f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
+                 f'fill="{color or COLORS["text"]}" font-weight="{weight}" stroke="white" stroke-width="3" '
+                 f'stroke-linejoin="round" paint-order="stroke">{escape(s)}</text>')
+
+    def line(self, x1: float, y1: float, x2: float, y2: float, color: str, width: float = 1,
+             dash: str | None = None) -> None:
+        d = f' stroke-dasharray="{dash}"' if dash else ""
+        self.add(f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{color}" '
+                 f'stroke-width="{width}"{d}/>')
+
+    def rect(self, x: float, y: float, w: float, h: float, color: str, opacity: float = 1.0) -> None:
+        self.add(f'<rect x="{x:.2f}" y="{y:.1f}" width="{max(w, 0.8):.2f}" height="{h:.1f}" fill="{color}" '
+                 f'fill-opacity="{opacity}"/>')
+
+    def step_path(self, points: Sequence[tuple[float, int]], start: int, end_t: float) -> str:
+        """SVG path data of a step curve: value ``start`` at t=0, then each (t, value) change."""
+        d = [f"M{self.x(0):.1f},{self.y(start):.1f}"]
+        last_x = self.x(0)
+        group: list[float] = []
+        for t, v in points:
+            px = round(self.x(t) * 2) / 2  # half-pixel columns: many changes collapse into one
+            if px != last_x:
+                if group:
+                    d.append(_column(group))
+                    group = []
+                d.append(f"H{px:.1f}")
+                last_x = px
+            group.append(self.y(v))
+        if group:
+            d.append(_column(group))
+        d.append(f"H{self.x(end_t):.1f}")
+        return "".join(d)
+
+
+def _column(ys: list[float]) -> str:
+    """Path data for several changes in one pixel column: up to the highest (peaks stay), then the last.
+
+    Momentary dips (a free and an allocation at the same instant) are not drawn.
+    """
+    top = min(ys)  # SVG y grows downwards
+    return f"V{top:.1f}" if top == ys[-1] else f"V{top:.1f}V{ys[-1]:.1f}"
+
+
+def _regions(plan: Plan) -> dict[str, list[tuple[float, float]]]:
+    """Seconds intervals of offloads, prefetches, recomputations and stalls in the plan."""
+    tl = plan.timeline
+    out: dict[str, list[tuple[float, float]]] = {"offload": [], "prefetch": [], "recompute": [], "stall": []}
+    for i, ins in enumerate(plan.schedule.instrs):
+        s, e = tl.start[i], tl.end[i]
+        if e <= s:
+            continue
+        if ins.kind is Kind.OFFLOAD:
+            out["offload"].append((s, e))
+        elif ins.kind is Kind.PREFETCH:
+            out["prefetch"].append((s, e))
+        elif ins.kind is Kind.RECOMPUTE:
+            out["recompute"].append((s, e))
+        elif ins.kind is Kind.WAIT:
+            out["stall"].append((s, e))
+    return out
+
+
+def _legend(c: _Canvas, y: float, planner: str) -> None:
+    x = LEFT
+    items = [("line", COLORS["plan"], f"planned ({planner})", None), ("line", COLORS["in-core"], "in-core (all kept)",
+             "6,4"), ("line", COLORS["limit"], "memory limit", "8,4"), ("box", COLORS["offload"], "offload (D2H)", None),
+             ("box", COLORS["prefetch"], "prefetch (H2D)", None), ("box", COLORS["recompute"], "recompute", None),
+             ("box", COLORS["stall"], "stall", None)]
+    for kind, color, label, dash in items:
+        if kind == "line":
+            c.line(x, y - 4, x + 22, y - 4, color, 2.5, dash)
+            x += 28
+        else:
+            c.rect(x, y - 10, 12, 12, color, 0.85)
+            x += 17
+        c.text(x, y, label, 12)
+        x += 6.6 * len(label) + 18
+
+
+def _overlaps(a: Box, b: Box) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _step_segments(c: _Canvas, points: Sequence[tuple[float, int]], start: int, end_t: float) -> list[Box]:
+    """A step curve as thin boxes (one per horizontal and vertical stroke), for label placement."""
+    out: list[Box] = []
+    x, y = c.x(0), c.y(start)
+    for t, v in [*points, (end_t, points[-1][1] if points else start)]:
+        nx, ny = c.x(t), c.y(v)
+        out.append((x, y - 1, nx, y + 1))
+        out.append((nx - 1, min(y, ny), nx + 1, max(y, ny)))
+        x, y = nx, ny
+    return out
+
+
+def _place_label(px: float, py: float, width: float, taken: list[Box], height: float = 15) -> Box:
+    """A label box next to the point (px, py) that avoids ``taken`` (other labels, curves, the
+    limit line) and stays inside the plot; the nearest such place first."""
+    candidates = []
+    for dy in (-8 - height, 8, -30 - height, 30, -52 - height, 52):
+        for x0 in (px + 8, px - 8 - width):
+            candidates.append((x0, py + dy, x0 + width, py + dy + height))
+    inside = [b for b in candidates if b[0] >= LEFT + 2 and b[2] <= WIDTH - RIGHT and b[1] >= PLOT_TOP
+              and b[3] <= PLOT_BOTTOM]
+    return min(inside or candidates, key=lambda b: sum(_overlaps(b, t) for t in taken))
+
+
+def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
+    """SVG of device memory over the simulated step: the plan vs in-core vs the limit.
+
+    Returns the SVG text; also writes it to ``path`` when given.
+    """
+    tl, in_core = plan.timeline, plan.in_core_timeline()
+    resident = plan.graph.resident_bytes
+    t_max = max(tl.step_time, in_core.step_time) or 1e-9
+    top_bytes = max(plan.mem_limit, in_core.peak_bytes, tl.peak_bytes)
+    unit, scale = _byte_unit(top_bytes)
+    y_ticks, y_step = _ticks(top_bytes * 1.15 / scale, 6)
+    x_ticks, x_step = _ticks(t_max * 1e3, 10)
+    c = _Canvas(x_ticks[-1] / 1e3, y_ticks[-1] * scale)
+    plot_w = WIDTH - LEFT - RIGHT
+    lanes_bottom = LANE_TOP + 3 * (LANE_HEIGHT + LANE_GAP) - LANE_GAP
+
+    c.add(f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>')
+    slowdown = plan.step_time / plan.in_core_time if plan.in_core_time else float("nan")
+    c.text(LEFT, 28, f"fxpooch: device memory of one training step, planner {plan.planner!r}", 17, weight="bold")
+    n = plan.counts()
+    c.text(LEFT, 50, f"peak {format_bytes(plan.peak_bytes)}, limit {format_bytes(plan.mem_limit)}, in-core "
+           f"{format_bytes(plan.in_core_peak_bytes)}   |   step {plan.step_time * 1e3:.3f} ms = {slowdown:.2f}x "
+           f"in-core ({plan.in_core_time * 1e3:.3f} ms)   |   keep {n['keep']}, swap {n['swap']}, "
+           f"recompute {n['recompute']}", 12.5, color=COLORS["muted"])
+    _legend(c, 78, plan.planner)
+
+    # grid and axes
+    for v in y_ticks:
+        y = c.y(v * scale)
+        c.line(LEFT, y, LEFT + plot_w, y, COLORS["grid"])
+        c.text(LEFT - 8, y + 4, _label(v, y_step), 11, "end", COLORS["muted"])
+    for v in x_ticks:
+        x = c.x(v / 1e3)
+        c.line(x, PLOT_TOP, x, lanes_bottom, COLORS["grid"])
+        c.text(x, lanes_bottom + 18, _label(v, x_step), 11, "middle", COLORS["muted"])
+    c.line(LEFT, PLOT_BOTTOM, LEFT + plot_w, PLOT_BOTTOM, "#444444")
+    c.line(LEFT, PLOT_TOP, LEFT, PLOT_BOTTOM, "#444444")
+    c.text(LEFT + plot_w / 2, lanes_bottom + 38, f"time (ms), simulated with {plan.profile.source} costs", 12, "middle")
+    yl = (PLOT_TOP + PLOT_BOTTOM) / 2
+    c.add(f'<text x="22" y="{yl:.1f}" font-size="12" text-anchor="middle" fill="{COLORS["text"]}" '
+          f'transform="rotate(-90 22 {yl:.1f})">device memory ({unit})</text>')
+
+    # recompute and stall periods, shaded across the plot
+    regions = _regions(plan)
+    px_s = c.t_max / plot_w  # seconds per pixel
+    for kind in ("recompute", "stall"):
+        for s, e in _merge(regions[kind], px_s):
+            c.rect(c.x(s), PLOT_TOP, c.x(e) - c.x(s), PLOT_BOTTOM - PLOT_TOP, COLORS[kind], 0.09)
+
+    # forward / backward boundary
+    fx_ = c.x(tl.forward_end)
+    c.line(fx_, PLOT_TOP, fx_, lanes_bottom, "#444444", 1, "3,3")
+    c.text(fx_ - 6, PLOT_TOP + 14, "forward", 11, "end", COLORS["muted"])
+    c.text(fx_ + 6, PLOT_TOP + 14, "backward", 11, "start", COLORS["muted"])
+
+    # curves: in-core first (under), then the plan with a light fill
+    c.add(f'<path d="{c.step_path(in_core.memory, resident, in_core.step_time)}" fill="none" '
+          f'stroke="{COLORS["in-core"]}" stroke-width="1.6" stroke-dasharray="6,4"/>')
+    plan_d = c.step_path(tl.memory, resident, tl.step_time)
+    c.add(f'<path d="{plan_d}V{PLOT_BOTTOM}H{LEFT}Z" fill="{COLORS["plan"]}" fill-opacity="0.12" stroke="none"/>')
+    c.add(f'<path d="{plan_d}" fill="none" stroke="{COLORS["plan"]}" stroke-width="2"/>')
+    ly = c.y(plan.mem_limit)
+    c.line(LEFT, ly, LEFT + plot_w, ly, COLORS["limit"], 2, "8,4")
+    c.text(LEFT + plot_w - 4, ly - 6, f"limit {format_bytes(plan.mem_limit)}", 12, "end", COLORS["limit"], "bold")
+
+    # peaks, labels placed off the limit line and off each other
+    taken: list[Box] = [(LEFT, ly - 8, LEFT + plot_w, ly + 8), (LEFT + plot_w - 130, ly - 24, LEFT + plot_w, ly),
+                        *_step_segments(c, in_core.memory, resident, in_core.step_time),
+                        *_step_segments(c, tl.memory, resident, tl.step_time)]
+    for curve, peak, color, label in ((in_core.memory, in_core.peak_bytes, COLORS["in-core"], "in-core peak"),
+                                      (tl.memory, tl.peak_bytes, COLORS["plan"], "planned peak")):
+        when = next((t for t, v in curve if v == peak), 0.0)
+        px, py = c.x(when), c.y(peak)
+        c.add(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="{color}" stroke="white" stroke-width="1.5"/>')
+        text = f"{label} {format_bytes(peak)}"
+        box = _place_label(px, py, 6.9 * len(text), taken)
+        taken.append(box)
+        if box[1] > py + 10 or box[3] < py - 10:  # placed away from its point: a leader line
+            c.line(px, py, box[0] if box[0] > px else box[2], box[3] - 5 if box[3] < py else box[1] + 5, color, 0.8)
+        c.text(box[0], box[3] - 3, text, 12, "start", color, "bold")
+
+    # lanes under the plot
+    for row, (label, kinds) in enumerate((("D2H", ("offload",)), ("H2D", ("prefetch",)),
+                                          ("compute", ("recompute", "stall")))):
+        y = LANE_TOP + row * (LANE_HEIGHT + LANE_GAP)
+        c.rect(LEFT, y, plot_w, LANE_HEIGHT, "#f2f2f2")
+        c.text(LEFT - 8, y + LANE_HEIGHT - 4, label, 11, "end", COLORS["muted"])
+        for kind in kinds:
+            for s, e in _merge(regions[kind], px_s):
+                c.rect(c.x(s), y, c.x(e) - c.x(s), LANE_HEIGHT, COLORS[kind], 0.85)
+
+    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
+           f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="{FONT}">\n'
+           f"<title>fxpooch memory plan ({escape(plan.planner)})</title>\n" + "\n".join(c.parts) + "\n</svg>\n")
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(svg)
+        log.info("wrote %s", path)
+    return svg
