@@ -1,26 +1,344 @@
-"""``python -m fxpooch``: command-line entry points."""
+"""``python -m fxpooch``: plan a model from the command line, compare planners, or run the demo.
+
+    python -m fxpooch plan resnet50 --batch 64 --mem-limit 8GiB --hardware v100-pcie3
+    python -m fxpooch plan mypkg.models:build --mem-limit 60%
+    python -m fxpooch compare resnet50 --mem-limit 60%
+    python -m fxpooch demo
+
+Exit codes: 0 ok, 2 bad arguments (memory limit, planner, preset, model, profile), 3 no plan
+fits the memory limit (the message names the smallest limit that does).
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib
+import importlib.util
+import inspect
 import logging
+import os
+import re
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .errors import FxpoochError, InfeasibleMemoryLimit, InvalidMemoryLimit, UnknownName
+
+log = logging.getLogger("fxpooch.cli")
+
+EXIT_USAGE = 2
+EXIT_INFEASIBLE = 3
+DEFAULT_OUT = "fxpooch-out"
+PROGRESS_AFTER_S = 2.0  # steps running longer than this get a line on stderr
+_ZOO_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "zoo.py"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fxpooch", description=__doc__)
+class CliError(Exception):
+    """A user mistake on the command line: message on stderr, exit code 2."""
+
+
+@contextmanager
+def progress(what: str, after: float = PROGRESS_AFTER_S) -> Iterator[None]:
+    """Say on stderr what is running if it takes longer than ``after`` seconds, and when it ends."""
+    t0 = time.perf_counter()
+    timer = threading.Timer(after, lambda: print(f"fxpooch: {what} ...", file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= after:
+            print(f"fxpooch: {what}: {elapsed:.1f} s", file=sys.stderr, flush=True)
+
+
+# -- models ------------------------------------------------------------------------------------
+def _bench_zoo() -> Any:
+    """``benchmarks/zoo.py`` of the source checkout (``benchmarks`` is not a package)."""
+    name = "fxpooch_benchmarks_zoo"
+    if name in sys.modules:
+        return sys.modules[name]
+    if not _ZOO_PATH.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(name, _ZOO_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+def _import_module(ref: str) -> Any:
+    if ref.endswith(".py") or os.sep in ref or "/" in ref:
+        path = Path(ref)
+        if not path.exists():
+            raise CliError(f"model module {ref!r}: no such file")
+        spec = importlib.util.spec_from_file_location(f"fxpooch_user_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(ref)
+    except ImportError as e:
+        raise CliError(f"cannot import model module {ref!r}: {e}") from None
+
+
+def load_model(ref: str, batch: int | None, device: str | None) -> tuple[Any, Any, str]:
+    """``ref`` (a benchmarks zoo name or ``module:factory``) -> (model, example input, label).
+
+    A factory returns ``(model, example_input)`` or a model; in the latter case the module must
+    define ``example_input(batch)`` (or ``example_input()``). ``batch`` is passed to the factory
+    when it has a ``batch`` parameter. ``device`` "meta" builds the model on the meta device.
+    """
+    import torch
+
+    if ":" not in ref:
+        zoo = _bench_zoo()
+        if zoo is None:
+            raise CliError(f"model {ref!r}: the benchmarks zoo is only in a source checkout; pass module:factory")
+        if ref not in zoo.MODELS:
+            raise UnknownName("model", ref, list(zoo.MODELS) + ["<module>:<factory>"])
+        spec = zoo.MODELS[ref]
+        dev = torch.device(device or "meta")
+        with torch.device(dev):
+            model = spec.build()
+        return model, spec.make_input(batch, device=dev), ref
+    module_ref, _, attr = ref.rpartition(":")
+    module = _import_module(module_ref)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise CliError(f"{ref!r}: {module_ref} has no callable {attr!r}")
+    kwargs = {}
+    if batch is not None:
+        if "batch" not in inspect.signature(factory).parameters:
+            raise CliError(f"--batch {batch}: {attr}() has no 'batch' parameter")
+        kwargs["batch"] = batch
+    if device:
+        with torch.device(device):
+            built = factory(**kwargs)
+    else:
+        built = factory(**kwargs)
+    if isinstance(built, tuple) and len(built) == 2:
+        model, example = built
+    else:
+        model, make = built, getattr(module, "example_input", None)
+        if make is None:
+            raise CliError(f"{ref!r} returned a model only: return (model, example_input) or define "
+                           f"example_input(batch) in {module_ref}")
+        if not callable(make):
+            example = make
+        elif "batch" in inspect.signature(make).parameters:
+            example = make(batch=batch) if batch is not None else make()
+        else:
+            example = make()
+        if device:
+            example = example.to(device)
+    return model, example, attr
+
+
+# -- planning ----------------------------------------------------------------------------------
+def parse_limit(text: str, in_core_peak: int) -> int:
+    """``--mem-limit``: bytes ("8GiB", "500MB", "123456") or a percentage of the in-core peak ("60%")."""
+    from .units import parse_bytes
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*%\s*", text)
+    if m:
+        pct = float(m.group(1))
+        if not 0 < pct:
+            raise InvalidMemoryLimit(f"memory limit {text!r} must be a positive percentage of the in-core peak")
+        return max(1, int(in_core_peak * pct / 100))
+    if text.strip().endswith("%"):
+        raise InvalidMemoryLimit(f"cannot parse memory limit {text!r}; a percentage looks like '60%'")
+    return parse_bytes(text)
+
+
+def _profile_arg(args: argparse.Namespace) -> Any:
+    from .profile import Profile
+
+    if args.profile in ("analytic", "measure"):
+        return args.profile
+    if not os.path.exists(args.profile):
+        raise CliError(f"--profile {args.profile!r}: no such file (or pass 'analytic' / 'measure')")
+    try:
+        return Profile.load(args.profile)
+    except (OSError, ValueError) as e:  # InvalidProfile is a ValueError too
+        raise CliError(f"--profile {args.profile!r}: {e}") from None
+
+
+def in_core_plan(args: argparse.Namespace) -> tuple[Any, str]:
+    """Capture and profile the model once; its in-core plan is the base for every planner."""
+    import fxpooch
+
+    from .hardware import get_hardware
+    from .units import MAX_BYTES
+
+    if args.hardware:
+        get_hardware(args.hardware)  # unknown preset: fail before the slow steps
+    profile = _profile_arg(args)
+    with progress(f"building {args.model}"):
+        model, example, label = load_model(args.model, args.batch, args.device)
+    with progress(f"capturing and profiling {label}"):
+        base = fxpooch.plan(model, example, MAX_BYTES, planner="in-core", profile=profile, hardware=args.hardware)
+    return base, label
+
+
+def replan(base: Any, planner: str, limit: int) -> Any:
+    """Run ``planner`` on ``base``'s graph and costs (no new capture) and return its Plan."""
+    from .plan import activation_names
+    from .planners import Problem, get_planner
+
+    graph = base.graph
+    candidate = get_planner(planner)(Problem(graph, base.profile.costs(graph), limit))
+    return dataclasses.replace(
+        base, planner=planner, mem_limit=limit, peak_bytes=candidate.timeline.peak_bytes,
+        step_time=candidate.step_time, schedule=candidate.schedule, timeline=candidate.timeline,
+        decisions={n: d.value for n, d in zip(activation_names(graph), candidate.decisions)})
+
+
+def write_outputs(plan: Any, out_dir: str | os.PathLike, stem: str) -> tuple[Path, Path]:
+    """The Chrome trace and the memory SVG of ``plan`` under ``out_dir``."""
+    from .svg import memory_svg
+    from .trace import write_chrome_trace
+
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", stem)
+    trace, svg = folder / f"{stem}.trace.json", folder / f"{stem}.svg"
+    write_chrome_trace(plan, trace)
+    memory_svg(plan, svg)
+    return trace, svg
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .planners import get_planner
+
+    get_planner(args.planner)
+    base, label = in_core_plan(args)
+    limit = parse_limit(args.mem_limit, base.in_core_peak_bytes)
+    with progress(f"planning {label} with {args.planner}"):
+        plan = replan(base, args.planner, limit)
+    if args.save_profile:
+        plan.profile.save(args.save_profile)
+        print(f"saved the profile to {args.save_profile}")
+    with progress("what-if simulations for the table"):
+        text = str(plan)
+    print(text)
+    for name in args.explain or ():
+        print()
+        print(plan.explain(name))
+    trace, svg = write_outputs(plan, args.out, f"{label}-{args.planner}")
+    print(f"\nwrote {trace} (open it in https://ui.perfetto.dev)\nwrote {svg}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from .planners import PLANNERS
+    from .units import format_bytes
+
+    base, label = in_core_plan(args)
+    limit = parse_limit(args.mem_limit, base.in_core_peak_bytes)
+    print(f"{label}: limit {format_bytes(limit)}, in-core peak {format_bytes(base.in_core_peak_bytes)}, "
+          f"in-core step {base.in_core_time * 1e3:.3f} ms ({base.profile.source})\n")
+    rows, infeasible, ok = [], 0, 0
+    for name in PLANNERS:
+        t0 = time.perf_counter()
+        try:
+            with progress(f"planning with {name}"):
+                p = replan(base, name, limit)
+        except FxpoochError as e:
+            infeasible += isinstance(e, InfeasibleMemoryLimit)
+            note = (f"needs >= {format_bytes(e.min_feasible_bytes)}" if isinstance(e, InfeasibleMemoryLimit)
+                    else str(e).split(". ")[0])
+            rows.append([name, "fails", "", "", "", f"{time.perf_counter() - t0:.2f}", note])
+            continue
+        ok += 1
+        c = p.counts()
+        rows.append([name, f"{p.step_time * 1e3:.3f}", f"{p.step_time / base.in_core_time:.2f}x",
+                     format_bytes(p.peak_bytes), f"{c['keep']} / {c['swap']} / {c['recompute']}",
+                     f"{time.perf_counter() - t0:.2f}", ""])
+    print(tabulate(rows, headers=["planner", "step ms", "vs in-core", "peak", "keep / swap / recompute",
+                                  "plan s", "note"], disable_numparse=True))
+    if ok == 0:
+        return EXIT_INFEASIBLE if infeasible else EXIT_USAGE
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(fraction=args.fraction, steps=args.steps, device=args.device, out_dir=args.out)
+
+
+# -- entry point -------------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    from .planners import PLANNERS
+
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="log what each stage does (INFO for the 'fxpooch' loggers)")
+    parser = argparse.ArgumentParser(prog="fxpooch", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, parents=[verbose])
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="plan, rewrite and run a small ResNet within half its memory")
+
+    demo = sub.add_parser("demo", parents=[verbose], help="plan, rewrite and run a small ResNet within half its memory")
     demo.add_argument("--fraction", type=float, default=0.5, help="limit as a fraction of the in-core peak")
     demo.add_argument("--steps", type=int, default=3)
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log what each stage does")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    if args.command == "demo":
-        from .demo import run_demo
+    demo.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the trace and the SVG (default {DEFAULT_OUT})")
 
-        return run_demo(fraction=args.fraction, steps=args.steps, device=args.device)
-    return 2
+    for name, helptext in (("plan", "plan one model: print the plan, write its trace and memory SVG"),
+                           ("compare", "every registered planner on one model, side by side")):
+        p = sub.add_parser(name, parents=[verbose], help=helptext)
+        p.add_argument("model", help="a benchmarks zoo model (resnet50, gpt2, ...) or module:factory "
+                                     "(a module name or a .py path; the factory returns (model, example_input))")
+        p.add_argument("--mem-limit", required=True, help="bytes ('8GiB', '500MB') or percent of the in-core peak ('60%%')")
+        p.add_argument("--batch", type=int, default=None, help="batch size (zoo default if left out)")
+        p.add_argument("--hardware", default=None, help="hardware preset for analytic costs (v100-pcie3, h100-pcie5, ...)")
+        p.add_argument("--profile", default="analytic", help="'analytic' (default), 'measure' or a saved profile .json")
+        p.add_argument("--device", default=None, help="device to build on (zoo models: meta, planned without memory)")
+        p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the trace and the SVG (default {DEFAULT_OUT})")
+        if name == "plan":
+            p.add_argument("--planner", default="pooch", help=f"one of {', '.join(PLANNERS)} (default pooch)")
+            p.add_argument("--save-profile", metavar="FILE", help="save the profile (JSON) to replan deterministically")
+            p.add_argument("--explain", action="append", metavar="NAME", help="explain one activation's decision")
+    return parser
+
+
+def _configure_logging(verbose: bool) -> None:
+    logger = logging.getLogger("fxpooch")
+    if verbose:
+        if not any(getattr(h, "_fxpooch_cli", False) for h in logger.handlers):
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            handler._fxpooch_cli = True  # type: ignore[attr-defined]
+            logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (argparse itself exits 2 on malformed arguments)."""
+    args = _parser().parse_args(argv)
+    _configure_logging(getattr(args, "verbose", False))
+    command = {"plan": cmd_plan, "compare": cmd_compare, "demo": cmd_demo}[args.command]
+    try:
+        return command(args)
+    except InfeasibleMemoryLimit as e:
+        print(f"fxpooch: error: {e}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    except (FxpoochError, CliError) as e:
+        print(f"fxpooch: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("fxpooch: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

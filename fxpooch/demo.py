@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from .api import compile
+from .svg import memory_svg
+from .trace import write_chrome_trace
 from .units import format_bytes
 
 log = logging.getLogger("fxpooch.demo")
@@ -36,8 +40,11 @@ def demo_model(channels: int = 32, blocks: int = 4, classes: int = 10) -> nn.Mod
 
 
 def run_demo(fraction: float = 0.5, batch: int = 16, size: int = 64, steps: int = 3,
-             device: str | None = None) -> int:
-    """Train ``steps`` steps within ``fraction`` of the in-core peak; 0 if gradients match eager."""
+             device: str | None = None, out_dir: str | os.PathLike | None = "fxpooch-out") -> int:
+    """Train ``steps`` steps within ``fraction`` of the in-core peak; 0 if gradients match eager.
+
+    With ``out_dir``, the plan's Chrome trace and memory SVG are written there.
+    """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch.manual_seed(0)
     model = demo_model().to(dev)
@@ -54,6 +61,13 @@ def run_demo(fraction: float = 0.5, batch: int = 16, size: int = 64, steps: int 
     cm = compile(model, x, limit, profile="measure")
     print(f"planned in {time.perf_counter() - t0:.1f} s\n")
     print(cm.plan)
+    if out_dir is not None:
+        folder = Path(out_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        trace = write_chrome_trace(cm.plan, folder / "demo.trace.json")
+        svg = folder / "demo.svg"
+        memory_svg(cm.plan, svg)
+        print(f"\nwrote {trace} (open it in https://ui.perfetto.dev)\nwrote {svg} (memory over the step)")
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)

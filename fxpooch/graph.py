@@ -63,8 +63,9 @@ class Activation:
     buffer: int
     producer: int  # the op that allocates the storage
     members: tuple[int, ...]  # saved forward ops whose values live on this storage
-    transfer_bytes: int  # bytes a swap moves each way (its members, copied one by one)
-    member_bytes: tuple[int, ...]
+    transfer_bytes: int  # bytes a swap moves each way (its distinct members, copied one by one)
+    member_bytes: tuple[int, ...]  # per member; 0 for a member that repeats an earlier one's layout
+    same_as: tuple[int, ...]  # per member: index of the first member with the same layout
     swappable: bool
 
 
@@ -199,10 +200,12 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                     by_buffer.setdefault(b, []).append(op_id)
         for b, members in by_buffer.items():
             member_vals = [_vals(nodes[m])[0] for m in members]
-            member_bytes = tuple(memory.tensor_bytes(v) for v in member_vals)
+            layouts = [(tuple(v.shape), v.stride(), v.storage_offset(), v.dtype) for v in member_vals]
+            same_as = tuple(layouts.index(lay) for lay in layouts)
+            member_bytes = tuple(memory.tensor_bytes(v) if same_as[i] == i else 0 for i, v in enumerate(member_vals))
             activations.append(Activation(
                 name=nodes[members[0]].name, graph=g, buffer=b, producer=producer[b], members=tuple(members),
-                transfer_bytes=sum(member_bytes), member_bytes=member_bytes,
+                transfer_bytes=sum(member_bytes), member_bytes=member_bytes, same_as=same_as,
                 swappable=all(len(_vals(nodes[m])) == 1 and _is_dense(v) for m, v in zip(members, member_vals)),
             ))
 

@@ -56,7 +56,7 @@ class Profile:
                 f"profile {self.fingerprint} was made for other graphs than these ({fingerprint(graph)}); "
                 "profile this model again (a different model, batch shape or torch version changes the graphs)")
         op_time = tuple(self.op_times.get(op_key(graph, i), 0.0) for i in range(len(graph.ops)))
-        xfer = tuple(sum(self.link.transfer_time(b) for b in act.member_bytes) for act in graph.activations)
+        xfer = tuple(sum(self.link.transfer_time(b) for b in act.member_bytes if b) for act in graph.activations)
         return Costs(op_time, xfer, xfer)
 
     def with_link(self, link: Link) -> Profile:

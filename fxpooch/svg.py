@@ -209,7 +209,10 @@ def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
     tl, in_core = plan.timeline, plan.in_core_timeline()
     resident = plan.graph.resident_bytes
     t_max = max(tl.step_time, in_core.step_time) or 1e-9
-    top_bytes = max(plan.mem_limit, in_core.peak_bytes, tl.peak_bytes)
+    top_bytes = max(in_core.peak_bytes, tl.peak_bytes)
+    limit_shown = plan.mem_limit <= 1.5 * top_bytes  # a far-away limit would flatten the curves
+    if limit_shown:
+        top_bytes = max(top_bytes, plan.mem_limit)
     unit, scale = _byte_unit(top_bytes)
     y_ticks, y_step = _ticks(top_bytes * 1.15 / scale, 6)
     x_ticks, x_step = _ticks(t_max * 1e3, 10)
@@ -262,12 +265,17 @@ def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
     plan_d = c.step_path(tl.memory, resident, tl.step_time)
     c.add(f'<path d="{plan_d}V{PLOT_BOTTOM}H{LEFT}Z" fill="{COLORS["plan"]}" fill-opacity="0.12" stroke="none"/>')
     c.add(f'<path d="{plan_d}" fill="none" stroke="{COLORS["plan"]}" stroke-width="2"/>')
-    ly = c.y(plan.mem_limit)
-    c.line(LEFT, ly, LEFT + plot_w, ly, COLORS["limit"], 2, "8,4")
-    c.text(LEFT + plot_w - 4, ly - 6, f"limit {format_bytes(plan.mem_limit)}", 12, "end", COLORS["limit"], "bold")
+    if limit_shown:
+        ly = c.y(plan.mem_limit)
+        c.line(LEFT, ly, LEFT + plot_w, ly, COLORS["limit"], 2, "8,4")
+        c.text(LEFT + plot_w - 4, ly - 6, f"limit {format_bytes(plan.mem_limit)}", 12, "end", COLORS["limit"], "bold")
+    else:
+        ly = PLOT_TOP
+        c.text(LEFT + plot_w - 4, PLOT_TOP + 14, f"limit {format_bytes(plan.mem_limit)} (far above the chart)", 12,
+               "end", COLORS["limit"], "bold")
 
     # peaks, labels placed off the limit line and off each other
-    taken: list[Box] = [(LEFT, ly - 8, LEFT + plot_w, ly + 8), (LEFT + plot_w - 130, ly - 24, LEFT + plot_w, ly),
+    taken: list[Box] = [(LEFT, ly - 8, LEFT + plot_w, ly + 8), (LEFT + plot_w - 260, ly - 24, LEFT + plot_w, ly + 18),
                         *_step_segments(c, in_core.memory, resident, in_core.step_time),
                         *_step_segments(c, tl.memory, resident, tl.step_time)]
     for curve, peak, color, label in ((in_core.memory, in_core.peak_bytes, COLORS["in-core"], "in-core peak"),

@@ -30,12 +30,17 @@ def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTab
         members = [env[table.nodes[m]] for m in act.members]
         anchor = env[table.nodes[max(act.members)]]
         op = torch.ops.fxpooch.offload.default if decision is Decision.SWAP else torch.ops.fxpooch.drop.default
+        prefix = "offload" if decision is Decision.SWAP else "drop"
         with new_graph.inserting_after(anchor):
-            for member in reversed(members):
-                prefix = "offload" if decision is Decision.SWAP else "drop"
+            for i in reversed(range(len(members))):
+                if act.same_as[i] != i and decision is Decision.SWAP:
+                    continue  # the same layout as an earlier member: one copy serves both
+                member = members[i]
                 node = new_graph.create_node("call_function", op, (member,), name=f"{prefix}_{member.name}")
                 node.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
                 replace[member] = node
+        for i, member in enumerate(members):
+            replace.setdefault(member, replace[members[act.same_as[i]]])
         for member in members:
             member.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
     outputs = list(out)

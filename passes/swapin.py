@@ -51,16 +51,23 @@ def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTa
             continue
         act = graph.activations[ins.act] if ins.act >= 0 else None
         if ins.kind is Kind.PREFETCH:
-            for m in act.members:
+            for i, m in enumerate(act.members):
+                if act.same_as[i] != i:
+                    continue
                 device = table.nodes[m].meta["val"].device
                 p = new.create_node("call_function", torch.ops.fxpooch.prefetch.default, (host[m], device),
                                     name=f"prefetch_{table.nodes[m].name}")
                 p.meta[META_KEY] = {"activation": act.name, "decision": "swap"}
                 prefetched[m] = p
         elif ins.kind is Kind.WAIT:
-            for m in act.members:
-                w = new.create_node("call_function", torch.ops.fxpooch.wait.default, (prefetched[m],),
-                                    name=f"wait_{table.nodes[m].name}")
+            for i, m in enumerate(act.members):
+                first = act.members[act.same_as[i]]
+                if first == m:
+                    w = new.create_node("call_function", torch.ops.fxpooch.wait.default, (prefetched[m],),
+                                        name=f"wait_{table.nodes[m].name}")
+                else:  # same layout as an earlier member: an alias of its copy
+                    w = new.create_node("call_function", torch.ops.aten.alias.default, (env[first],),
+                                        name=f"alias_{table.nodes[m].name}")
                 w.meta[META_KEY] = {"activation": act.name, "decision": "swap"}
                 env[m] = w
         elif ins.kind is Kind.RECOMPUTE:

@@ -123,6 +123,21 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate) -> Candidate:
     return current
 
 
+def keep_from_output_side(ev: Evaluator, start: Candidate) -> Candidate:
+    """Turn activations to keep, output side first, while the plan fits and gets no slower."""
+    best = start
+    order = sorted(range(len(start.decisions)), key=lambda a: -max(ev.graph.activations[a].members))
+    for a in order:
+        if best.decisions[a] is Decision.KEEP:
+            continue
+        trial = list(best.decisions)
+        trial[a] = Decision.KEEP
+        c = ev.evaluate(trial)
+        if c is not None and c.fits and c.step_time <= best.step_time:
+            best = c
+    return best
+
+
 def plan_pooch(problem: Problem, options: PoochOptions = PoochOptions(), name: str = "pooch") -> Candidate:
     ev = Evaluator(problem)
     in_core = ev.evaluate(ev.all_keep())
@@ -130,8 +145,9 @@ def plan_pooch(problem: Problem, options: PoochOptions = PoochOptions(), name: s
         return in_core
     start = ev.evaluate(ev.all_swap())
     if start is None or not start.fits:
-        # swap-all does not fit (e.g. a slow link holds offloaded memory): start from the floor
-        start = require_fit(ev, ev.floor(), name)
+        # swap-all does not fit (a slow link holds offloaded memory until its copy ends): start
+        # from the most frugal plan and keep what fits, output side first (as step 1 does for L_O)
+        start = keep_from_output_side(ev, require_fit(ev, ev.floor(), name))
     best = step1_keep_or_swap(ev, start, options)
     if options.recompute:
         best = step2_swap_to_recompute(ev, best)

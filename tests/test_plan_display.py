@@ -1,0 +1,148 @@
+"""``print(plan)`` and ``plan.explain(name)``: every activation, its decision and bytes, the totals,
+and the what-if numbers behind keep / swap / recompute."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import zoo
+
+import fxpooch
+from fxpooch.plan import activation_meta, activation_names
+from fxpooch.units import format_bytes
+
+plan_module = importlib.import_module("fxpooch.plan")  # the attribute fxpooch.plan is the function
+HW = "v100-pcie3"
+
+
+def _plan(planner: str, limit: int | str = "1TiB", factory=zoo.resnet_small) -> fxpooch.Plan:
+    model, x = factory()
+    return fxpooch.plan(model, x, limit, planner=planner, profile="analytic", hardware=HW)
+
+
+@pytest.fixture(scope="module")
+def kept() -> fxpooch.Plan:
+    return _plan("pooch")  # a limit far above the in-core peak: everything kept
+
+
+@pytest.fixture(scope="module")
+def swapped() -> fxpooch.Plan:
+    return _plan("swap-all")
+
+
+@pytest.fixture(scope="module")
+def recomputed() -> fxpooch.Plan:
+    return _plan("checkpoint-all")
+
+
+def _table_rows(text: str) -> dict[str, list[str]]:
+    """Activation name -> the cells of its row (the table's second column is the name)."""
+    rows = {}
+    for line in text.split("\n\n")[0].splitlines()[2:]:
+        cells = line.split()
+        if len(cells) > 6 and cells[0].isdigit():
+            rows[cells[1]] = cells
+    return rows
+
+
+@pytest.mark.parametrize("which", ["kept", "swapped", "recomputed"])
+def test_every_activation_has_a_row_with_decision_and_bytes(which, request):
+    plan = request.getfixturevalue(which)
+    rows = _table_rows(str(plan))
+    names = activation_names(plan.graph)
+    assert set(rows) == set(names)
+    line_of = {line.split()[1]: line for line in str(plan).splitlines() if len(line.split()) > 6}
+    for name, act in zip(names, plan.graph.activations):
+        assert plan.decisions[name] in rows[name]
+        assert format_bytes(plan.graph.buffers[act.buffer].nbytes) in line_of[name]
+
+
+def test_overhead_columns_and_r(swapped):
+    text = str(swapped)
+    header = text.splitlines()[0]
+    for column in ("graph", "activation", "op", "shape", "dtype", "bytes", "decision", "stall", "late d2h",
+                   "swap +", "recompute +", "r(X)"):
+        assert column in header
+    o = swapped.overheads(0)
+    assert o.keep.step_time > 0 and o.swap is not None
+    assert o.swap_overhead == pytest.approx(o.swap.step_time - o.keep.step_time)
+
+
+def test_totals(swapped):
+    text = str(swapped)
+    totals = {line.split("  ")[0]: line for line in text.split("\n\n")[-1].splitlines()}
+    assert format_bytes(swapped.mem_limit) in totals["memory limit"]
+    assert format_bytes(swapped.peak_bytes) in totals["planned peak"]
+    assert format_bytes(swapped.in_core_peak_bytes) in totals["in-core peak"]
+    assert format_bytes(swapped.host_bytes) in totals["host bytes (swapped)"]
+    assert swapped.host_bytes > 0
+    c = swapped.counts()
+    assert f"{c['keep']} / {c['swap']} / {c['recompute']}" in totals["keep / swap / recompute"]
+    unit, scale = swapped._time_unit()
+    assert f"{swapped.step_time * scale:.3f} {unit}" in totals["step time (simulated)"]
+    assert f"{swapped.step_time / swapped.in_core_time:.2f}x in-core" in totals["step time (simulated)"]
+    assert f"{swapped.in_core_time * scale:.3f} {unit}" in totals["in-core step time"]
+
+
+def test_shape_and_dtype_from_activation_meta(kept):
+    assert "?" in _table_rows(str(kept))[activation_names(kept.graph)[0]]  # not filled in
+    meta = tuple(((4, 16, 64, 64), "float32") for _ in kept.graph.activations)
+    row = _table_rows(str(dataclasses.replace(kept, activation_meta=meta)))[activation_names(kept.graph)[0]]
+    assert "(4, 16, 64, 64)" in " ".join(row) and "float32" in row
+
+
+def test_activation_meta_reads_node_values(kept):
+    nodes = [SimpleNamespace(meta={"val": torch.empty(2, 3, dtype=torch.float16)}) for _ in kept.graph.ops]
+    meta = activation_meta(kept.graph, SimpleNamespace(nodes=nodes))
+    assert meta == tuple(((2, 3), "float16") for _ in kept.graph.activations)
+
+
+def test_large_graphs_leave_out_the_overhead_columns(kept, monkeypatch):
+    monkeypatch.setattr(plan_module, "MAX_OVERHEAD_ACTIVATIONS", 3)
+    fresh = dataclasses.replace(kept)
+    text = str(fresh)
+    assert "r(X)" not in text.splitlines()[0]
+    assert "overhead columns left out" in text
+    assert "explain" in text
+
+
+def test_explain_keep(kept):
+    name = activation_names(kept.graph)[0]
+    assert kept.decisions[name] == "keep"
+    text = kept.explain(name)
+    assert text.startswith(f"{name} (graph 0): keep")
+    assert "if kept:" in text and "<- planned" in text.split("if kept:")[1].splitlines()[0]
+    assert "why: kept" in text and "memory allowed keeping it" in text
+    assert format_bytes(kept.graph.buffers[kept.graph.activations[0].buffer].nbytes) in text
+
+
+def test_explain_swap(swapped):
+    a = next(i for i, d in enumerate(swapped.schedule.decisions) if d.value == "swap")
+    name = activation_names(swapped.graph)[a]
+    text = swapped.explain(name)
+    assert text.startswith(f"{name} (graph 0): swap")
+    assert "swap is hidden" in text or "swap is not hidden" in text
+    assert "stall" in text and "why: swapped" in text
+    o = swapped.overheads(a)
+    assert o.swap.step_time == pytest.approx(swapped.step_time, rel=0.05)
+
+
+def test_explain_recompute(recomputed):
+    a = next(i for i, d in enumerate(recomputed.schedule.decisions) if d.value == "recompute")
+    name = activation_names(recomputed.graph)[a]
+    text = recomputed.explain(name)
+    assert text.startswith(f"{name} (graph 0): recompute")
+    assert "recompute runs" in text and "why: recomputed" in text
+    assert recomputed.overheads(a).recompute is not None
+
+
+def test_explain_unknown_name(kept):
+    with pytest.raises(fxpooch.UnknownName) as info:
+        kept.explain("no_such_activation")
+    msg = str(info.value)
+    assert "activation" in msg and "no_such_activation" in msg
+    assert activation_names(kept.graph)[0] in msg
+    assert isinstance(info.value, KeyError)
