@@ -219,6 +219,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planners import get_planner
 
     get_planner(args.planner)
+    parse_limit(args.mem_limit, 1)  # a malformed limit fails before the slow steps
     base, label = in_core_plan(args)
     limit = parse_limit(args.mem_limit, base.in_core_peak_bytes)
     with progress(f"planning {label} with {args.planner}"):
@@ -227,7 +228,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan.profile.save(args.save_profile)
         print(f"saved the profile to {args.save_profile}")
     with progress("what-if simulations for the table"):
-        text = str(plan)
+        text = plan.table(overheads=False if args.no_what_if else None)
     print(text)
     for name in args.explain or ():
         print()
@@ -243,6 +244,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .planners import PLANNERS
     from .units import format_bytes
 
+    parse_limit(args.mem_limit, 1)
     base, label = in_core_plan(args)
     limit = parse_limit(args.mem_limit, base.in_core_peak_bytes)
     print(f"{label}: limit {format_bytes(limit)}, in-core peak {format_bytes(base.in_core_peak_bytes)}, "
@@ -309,16 +311,30 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--planner", default="pooch", help=f"one of {', '.join(PLANNERS)} (default pooch)")
             p.add_argument("--save-profile", metavar="FILE", help="save the profile (JSON) to replan deterministically")
             p.add_argument("--explain", action="append", metavar="NAME", help="explain one activation's decision")
+            p.add_argument("--no-what-if", action="store_true",
+                           help="leave the swap / recompute overhead columns out (2 simulations per activation)")
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record (tests replace it)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def _configure_logging(verbose: bool) -> None:
+    """``-v``: INFO records of the "fxpooch" loggers on stderr (other libraries' logging untouched)."""
     logger = logging.getLogger("fxpooch")
     if verbose:
-        if not any(getattr(h, "_fxpooch_cli", False) for h in logger.handlers):
-            handler = logging.StreamHandler(sys.stderr)
+        if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+            handler = _StderrHandler()
             handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-            handler._fxpooch_cli = True  # type: ignore[attr-defined]
             logger.addHandler(handler)
         logger.setLevel(logging.INFO)
 

@@ -274,7 +274,11 @@ class Plan:
         ]
 
     def __str__(self) -> str:
-        headers, rows = self.table_rows()
+        return self.table()
+
+    def table(self, overheads: bool | None = None) -> str:
+        """The activation table and the totals; ``overheads`` as in :meth:`table_rows`."""
+        headers, rows = self.table_rows(overheads)
         table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
         unit, _ = self._time_unit()
         notes = [f"stall: compute waited for the prefetch; late d2h: offload ran past the forward's end ({unit})."]
@@ -282,9 +286,11 @@ class Plan:
             notes.append("swap + / recompute +: simulated step time vs keeping it, the others as planned (negative: "
                          "keeping it leaves less room to prefetch the others early); r(X) = recompute + / swap + "
                          "(< 1: recomputing is cheaper).")
-        else:
+        elif overheads is None:
             notes.append(f"overhead columns left out: {len(rows)} activations > {MAX_OVERHEAD_ACTIVATIONS} "
                          "(each needs 2 simulations); plan.explain(name) gives them for one activation.")
+        else:
+            notes.append("overhead columns left out; plan.explain(name) gives them for one activation.")
         summary = tabulate(self.summary_rows(), tablefmt="plain")
         return f"{table}\n" + "\n".join(notes) + f"\n\n{summary}"
 

@@ -214,7 +214,7 @@ def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
     if limit_shown:
         top_bytes = max(top_bytes, plan.mem_limit)
     unit, scale = _byte_unit(top_bytes)
-    y_ticks, y_step = _ticks(top_bytes * 1.15 / scale, 6)
+    y_ticks, y_step = _ticks(top_bytes * 1.15 / scale, 7)
     x_ticks, x_step = _ticks(t_max * 1e3, 10)
     c = _Canvas(x_ticks[-1] / 1e3, y_ticks[-1] * scale)
     plot_w = WIDTH - LEFT - RIGHT

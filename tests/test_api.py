@@ -1,0 +1,154 @@
+"""The public contract of fxpooch.compile: inputs, outputs, side effects, plans, profiles."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxpooch
+from zoo import ZOO
+
+ANALYTIC = dict(profile="analytic", hardware="v100-pcie3")
+
+
+def test_passes_ship_inside_the_package_only(tmp_path):
+    import fxpooch.passes
+
+    assert hasattr(fxpooch.passes, "rewrite_pair")
+    env = {**os.environ, "PYTHONPATH": ""}
+    r = subprocess.run([sys.executable, "-c", "import passes"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "No module named 'passes'" in r.stderr
+
+
+def test_compile_leaves_model_state_and_rng_untouched():
+    model, x = ZOO["cnn_bn"]()  # BatchNorm buffers change in a training forward
+    state = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    fxpooch.compile(model, x, "1GiB", **ANALYTIC)
+    assert torch.equal(rng, torch.get_rng_state())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    assert all(p.grad is None for p in model.parameters())
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+class BreakingModel(nn.Module):
+    """A graph break, a keyword input and a dataclass output."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 512)
+
+    def forward(self, x, *, scale: float = 1.0):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        h = torch.relu(self.b(h)) * scale
+        return Output(self.c(h), h.sum())
+
+
+@pytest.mark.parametrize("limit", ["1GiB", "19MiB"])
+def test_graph_breaks_kwargs_and_dataclass_outputs(limit):
+    torch.manual_seed(0)
+    model, x = BreakingModel(), torch.randn(1024, 512)
+    eager = copy.deepcopy(model)
+    cm = fxpooch.compile(model, {"x": x, "scale": 2.0}, limit, **ANALYTIC)
+    assert len(cm.forward_graphs) == 2  # planned as one step
+    assert cm.plan.peak_bytes <= fxpooch.units.parse_bytes(limit)
+    out = cm(x=x, scale=2.0)
+    assert isinstance(out, Output)
+    (out.logits.sum() + out.aux).backward()
+    ref = eager(x, scale=2.0)
+    (ref.logits.sum() + ref.aux).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_positional_tuple_example_input():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, a, b):
+            return self.l(a) * b
+
+    model = Two()
+    a, b = torch.randn(4, 8), torch.randn(4, 8)
+    cm = fxpooch.compile(model, (a, b), "1GiB", **ANALYTIC)
+    torch.testing.assert_close(cm(a, b), model(a, b))
+
+
+def test_new_shape_plans_again_and_is_cached(caplog):
+    model, x = ZOO["mlp"]()
+    cm = fxpooch.compile(model, x, "1GiB", **ANALYTIC)
+    first = cm.plan
+    with caplog.at_level("INFO", logger="fxpooch"):
+        cm(x[:1024]).sum().backward()
+    assert any("planning again" in r.message for r in caplog.records)
+    assert cm.plan is not first and cm.plan.in_core_peak_bytes < first.in_core_peak_bytes
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fxpooch"):
+        cm(x).sum().backward()
+        cm(x[:1024]).sum().backward()
+    assert not any("planning" in r.message for r in caplog.records)
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    model, x = ZOO["mlp"]()
+    cm = fxpooch.compile(model, x, "40MiB", profile="measure", hardware="v100-pcie3")
+    path = tmp_path / "profile.json"
+    cm.plan.profile.save(path)
+    loaded = fxpooch.Profile.load(path)
+    assert loaded == cm.plan.profile
+    again = fxpooch.compile(model, x, "40MiB", profile=str(path))
+    assert again.plan.decisions == cm.plan.decisions
+    assert again.plan.step_time == cm.plan.step_time and again.plan.peak_bytes == cm.plan.peak_bytes
+
+
+def test_profile_of_other_graphs_is_rejected(tmp_path):
+    model, x = ZOO["mlp"]()
+    path = tmp_path / "profile.json"
+    fxpooch.compile(model, x, "1GiB", **ANALYTIC).plan.profile.save(path)
+    other, y = ZOO["cnn_bn"]()
+    with pytest.raises(fxpooch.InvalidProfile, match="profile this model again"):
+        fxpooch.compile(other, y, "1GiB", profile=str(path))
+
+
+def test_plan_reports_contract_fields():
+    model, x = ZOO["transformer_block"]()
+    cm = fxpooch.compile(model, x, "24MiB", **ANALYTIC)
+    plan = cm.plan
+    assert plan.mem_limit == 24 * 2**20
+    assert set(plan.decisions.values()) <= {"keep", "swap", "recompute"}
+    assert len(plan.decisions) == len(plan.graph.activations)
+    assert plan.peak_bytes <= plan.mem_limit < plan.in_core_peak_bytes
+    assert plan.step_time >= plan.in_core_time > 0
+    text = str(plan)
+    for name, decision in plan.decisions.items():
+        assert any(name in line and decision in line for line in text.splitlines()), name
+
+
+def test_planning_on_meta_uses_no_memory():
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(4096, 4096), nn.ReLU()) for _ in range(6)])
+        x = torch.randn(65536, 4096)  # 1 GiB per activation
+    plan = fxpooch.plan(model, x, "9GiB", hardware="h100-pcie5")
+    assert plan.in_core_peak_bytes > 9 * 2**30 >= plan.peak_bytes
+
+
+def test_unknown_planner_lists_choices():
+    model, x = ZOO["mlp"]()
+    with pytest.raises(fxpooch.UnknownName, match="pooch"):
+        fxpooch.compile(model, x, "1GiB", planner="nope")

@@ -1,0 +1,118 @@
+"""``python -m fxpooch``: plan / compare / demo, exit codes and messages, and the graph dumps."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx as fx
+
+from fxpooch.__main__ import main
+from fxpooch.debug import ENV_VAR, dump_graphs
+from fxpooch.planners import PLANNERS
+
+REPO = Path(__file__).resolve().parent.parent
+MLP = f"{REPO / 'tests' / 'zoo.py'}:mlp"
+ANALYTIC = ["--hardware", "v100-pcie3"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """``-v`` sets up the "fxpooch" logger in this process: put it back after each test."""
+    logger = logging.getLogger("fxpooch")
+    handlers, level = list(logger.handlers), logger.level
+    yield
+    logger.handlers[:] = handlers
+    logger.setLevel(level)
+
+
+def _run(*argv: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fxpooch", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("limit, words", [("lots", "cannot parse memory limit"), ("-1GiB", "must be at least 1 byte"),
+                                          ("abc%", "percentage")])
+def test_bad_mem_limit_exits_2_with_a_message(limit, words, capsys, tmp_path):
+    assert main(["plan", MLP, f"--mem-limit={limit}", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fxpooch: error: ") and words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan", MLP, "--mem-limit", "1GiB", "--planner", "nope"], "unknown planner 'nope'"),
+    (["plan", MLP, "--mem-limit", "1GiB", "--hardware", "tpu9"], "unknown hardware preset 'tpu9'"),
+    (["plan", "no_such_model", "--mem-limit", "1GiB"], "unknown model 'no_such_model'"),
+    (["plan", "no_such_module_xyz:build", "--mem-limit", "1GiB"], "cannot import model module"),
+    (["plan", f"{REPO / 'tests' / 'zoo.py'}:nope", "--mem-limit", "1GiB"], "no callable 'nope'"),
+    (["compare", MLP, "--mem-limit", "1GiB", "--profile", "missing.json"], "no such file"),
+])
+def test_unknown_names_exit_2(argv, words, capsys, tmp_path):
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_infeasible_exits_3_naming_the_floor(tmp_path):
+    r = _run("plan", MLP, "--mem-limit", "1MiB", *ANALYTIC, "--out", str(tmp_path))
+    assert r.returncode == 3, r.stderr
+    assert "smallest feasible limit is" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.count("fxpooch: error:") == 1
+
+
+def test_plan_prints_the_plan_and_writes_trace_and_svg(tmp_path, capsys):
+    profile = tmp_path / "mlp.profile.json"
+    out = tmp_path / "out"
+    argv = ["plan", MLP, "--mem-limit", "95%", *ANALYTIC, "--out", str(out)]
+    assert main(["-v", *argv, "--save-profile", str(profile), "--explain", "relu"]) == 0
+    first = capsys.readouterr()
+    assert "planned peak" in first.out and "relu (graph 0):" in first.out and "why:" in first.out
+    assert "fxpooch." in first.err  # -v: INFO lines of the fxpooch loggers
+    trace, svg = out / "mlp-pooch.trace.json", out / "mlp-pooch.svg"
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert svg.read_text().startswith("<svg")
+    assert f"wrote {trace}" in first.out and f"wrote {svg}" in first.out
+    # the saved profile replans to the same table
+    assert main(["plan", MLP, "--mem-limit", "95%", "--profile", str(profile), "--out", str(out)]) == 0
+    again = capsys.readouterr().out
+    table = first.out.split("\n\nrelu (graph 0)")[0]
+    assert table.replace(f"saved the profile to {profile}\n", "") == again.split("\n\nwrote")[0]
+
+
+def test_compare_lists_every_planner_and_failures(capsys, tmp_path):
+    assert main(["compare", MLP, "--mem-limit", "95%", *ANALYTIC, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in PLANNERS}
+    assert set(rows) == set(PLANNERS)
+    assert "fails" in rows["in-core"]  # 95% of the in-core peak: keeping everything does not fit
+    assert "fails" not in rows["pooch"] and "x" in rows["pooch"]
+
+
+def test_demo_writes_trace_and_svg(tmp_path):
+    r = _run("demo", "--steps", "1", "--out", str(tmp_path), timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "-> OK" in r.stdout
+    assert (tmp_path / "demo.trace.json").exists() and (tmp_path / "demo.svg").exists()
+    assert f"wrote {tmp_path / 'demo.trace.json'}" in r.stdout
+
+
+class _Pair:
+    def __init__(self, scale: float):
+        self.forward = fx.symbolic_trace(torch.nn.Linear(2, 2))
+        self.backward = fx.symbolic_trace(lambda x: x * scale)
+
+
+def test_dump_graphs(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert dump_graphs(0, _Pair(1.0), _Pair(2.0)) == []
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "dumps"))
+    written = dump_graphs(1, _Pair(1.0), _Pair(2.0))
+    names = sorted(p.name for p in written)
+    assert names == sorted(f"g1-{ph}-{st}.py" for ph in ("forward", "backward") for st in ("before", "after"))
+    text = (tmp_path / "dumps" / "g1-forward-after.py").read_text()
+    assert "graph 1 forward, after" in text and "FX IR" in text

@@ -1,0 +1,168 @@
+"""Golden graphs: the exact code each pass produces for fixed decisions on a small MLP."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxpooch
+from fxpooch.planners import PLANNERS, Evaluator, register
+from fxpooch.schedule import Decision
+
+FIXED: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fixed_planner():
+    @register("test-fixed")
+    def fixed(problem):
+        ev = Evaluator(problem)
+        return ev.evaluate([Decision(FIXED.get(a.name, "keep")) for a in problem.graph.activations])
+
+    yield
+    PLANNERS.pop("test-fixed")
+
+
+def compile_mlp(decisions: dict[str, str]) -> fxpooch.CompiledModule:
+    FIXED.clear()
+    FIXED.update(decisions)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    return fxpooch.compile(m, torch.randn(4, 8), "1GiB", planner="test-fixed", profile="analytic",
+                           hardware="v100-pcie3")
+
+
+def code(gm) -> str:
+    return gm.code.strip()
+
+
+FORWARD = """\
+def forward(self, args_list):
+    args_iter = iter(args_list)
+    primals_1 = next(args_iter)
+    primals_2 = next(args_iter)
+    primals_3 = next(args_iter)
+    primals_4 = next(args_iter)
+    primals_5 = next(args_iter)
+    primals_6 = next(args_iter)
+    primals_7 = next(args_iter)
+    args_list.clear()
+    t = torch.ops.aten.t.default(primals_1)
+    addmm = torch.ops.aten.addmm.default(primals_2, primals_3, t);  t = None
+    relu = torch.ops.aten.relu.default(addmm);  addmm = None
+    detach = torch.ops.aten.detach.default(relu);  detach = None
+    offload_relu = torch.ops.fxpooch.offload.default(relu)
+    t_1 = torch.ops.aten.t.default(primals_4)
+    addmm_1 = torch.ops.aten.addmm.default(primals_5, relu, t_1);  relu = None
+    relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
+    detach_1 = torch.ops.aten.detach.default(relu_1)
+    drop_relu_1 = torch.ops.fxpooch.drop.default(relu_1)
+    drop_detach_1 = torch.ops.fxpooch.drop.default(detach_1);  detach_1 = None
+    t_2 = torch.ops.aten.t.default(primals_6)
+    addmm_2 = torch.ops.aten.addmm.default(primals_7, relu_1, t_2);  relu_1 = None
+    return (addmm_2, primals_3, offload_relu, offload_relu, t_1, drop_relu_1, drop_detach_1, t_2, primals_1, primals_2, primals_4, primals_5, primals_6, primals_7)
+"""
+
+BACKWARD = """\
+def forward(self, args_list):
+    args_iter = iter(args_list)
+    primals_3 = next(args_iter)
+    relu = next(args_iter)
+    detach = next(args_iter)
+    t_1 = next(args_iter)
+    relu_1 = next(args_iter)
+    detach_1 = next(args_iter)
+    t_2 = next(args_iter)
+    primals_1 = next(args_iter)
+    primals_2 = next(args_iter)
+    primals_4 = next(args_iter)
+    primals_5 = next(args_iter)
+    primals_6 = next(args_iter)
+    primals_7 = next(args_iter)
+    tangents_1 = next(args_iter)
+    args_list.clear()
+    prefetch_relu = torch.ops.fxpooch.prefetch.default(relu, device(type='cpu'));  relu = None
+    t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
+    mm = torch.ops.aten.mm.default(tangents_1, t_3);  t_3 = None
+    t_4 = torch.ops.aten.t.default(tangents_1)
+    wait_relu = torch.ops.fxpooch.wait.default(prefetch_relu);  prefetch_relu = None
+    alias_detach = torch.ops.aten.alias.default(wait_relu)
+    re_addmm_1 = torch.ops.aten.addmm.default(primals_5, wait_relu, t_1);  primals_5 = None
+    re_relu_1 = torch.ops.aten.relu.default(re_addmm_1);  re_addmm_1 = None
+    re_detach_1 = torch.ops.aten.detach.default(re_relu_1)
+    mm_1 = torch.ops.aten.mm.default(t_4, re_relu_1);  t_4 = re_relu_1 = None
+    t_5 = torch.ops.aten.t.default(mm_1);  mm_1 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True);  tangents_1 = None
+    view = torch.ops.aten.view.default(sum_1, [8]);  sum_1 = None
+    t_6 = torch.ops.aten.t.default(t_5);  t_5 = None
+    detach_2 = torch.ops.aten.detach.default(re_detach_1);  re_detach_1 = None
+    threshold_backward = torch.ops.aten.threshold_backward.default(mm, detach_2, 0);  mm = detach_2 = None
+    t_7 = torch.ops.aten.t.default(t_1);  t_1 = None
+    mm_2 = torch.ops.aten.mm.default(threshold_backward, t_7);  t_7 = None
+    t_8 = torch.ops.aten.t.default(threshold_backward)
+    mm_3 = torch.ops.aten.mm.default(t_8, wait_relu);  t_8 = wait_relu = None
+    t_9 = torch.ops.aten.t.default(mm_3);  mm_3 = None
+    sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
+    view_1 = torch.ops.aten.view.default(sum_2, [8]);  sum_2 = None
+    t_10 = torch.ops.aten.t.default(t_9);  t_9 = None
+    detach_3 = torch.ops.aten.detach.default(alias_detach);  alias_detach = None
+    threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_2, detach_3, 0);  mm_2 = detach_3 = None
+    t_11 = torch.ops.aten.t.default(threshold_backward_1)
+    mm_4 = torch.ops.aten.mm.default(t_11, primals_3);  t_11 = primals_3 = None
+    t_12 = torch.ops.aten.t.default(mm_4);  mm_4 = None
+    sum_3 = torch.ops.aten.sum.dim_IntList(threshold_backward_1, [0], True);  threshold_backward_1 = None
+    view_2 = torch.ops.aten.view.default(sum_3, [8]);  sum_3 = None
+    t_13 = torch.ops.aten.t.default(t_12);  t_12 = None
+    return (t_13, view_2, None, t_10, view_1, t_6, view)
+"""
+
+
+def test_swap_and_recompute_golden():
+    cm = compile_mlp({"relu": "swap", "relu_1": "recompute"})
+    assert cm.plan.decisions == {"relu": "swap", "relu_1": "recompute"}
+    assert code(cm.forward_graphs[0]) == FORWARD.strip()
+    assert code(cm.backward_graphs[0]) == BACKWARD.strip()
+
+
+def test_keep_inserts_nothing():
+    cm = compile_mlp({})
+    text = code(cm.forward_graphs[0]) + code(cm.backward_graphs[0])
+    assert "fxpooch" not in text and "re_" not in text
+
+
+def test_decisions_live_in_node_meta():
+    cm = compile_mlp({"relu": "swap", "relu_1": "recompute"})
+    marked = {n.name: n.meta["fxpooch"] for gm in (*cm.forward_graphs, *cm.backward_graphs)
+              for n in gm.graph.nodes if "fxpooch" in n.meta}
+    assert marked["offload_relu"] == {"activation": "relu", "decision": "swap"}
+    assert marked["prefetch_relu"]["decision"] == "swap"
+    assert marked["re_relu_1"] == {"activation": "relu_1", "decision": "recompute", "recomputes": "relu_1"}
+
+
+def test_recompute_placed_before_first_use_not_at_backward_start():
+    cm = compile_mlp({"relu_1": "recompute"})
+    names = [n.name for n in cm.backward_graphs[0].graph.nodes if n.op == "call_function"]
+    first_use = names.index("mm_1")
+    chain = [n for n in names if n.startswith("re_")]
+    assert chain == ["re_addmm_1", "re_relu_1", "re_detach_1"]
+    assert names.index("re_detach_1") == first_use - 1  # the chain ends just before its reader
+    assert names.index("re_addmm_1") > names.index("mm")  # ... and starts after earlier backward work
+
+
+def test_random_ops_are_not_recomputed():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 8))
+    FIXED.clear()
+    cm = fxpooch.compile(m, torch.randn(4, 8), "1GiB", planner="test-fixed", profile="analytic",
+                         hardware="v100-pcie3")
+    ev = Evaluator(fxpooch.planners.Problem(cm.plan.graph, cm.plan.profile.costs(cm.plan.graph), 2**40))
+    recomputable = {a.name: ev.can_recompute(i, ev.all_keep()) for i, a in enumerate(cm.plan.graph.activations)}
+    # the mask comes from the random op; relu would need the dropout output, which is not saved,
+    # so recomputing it would draw a new mask: neither is recomputable
+    assert recomputable == {"getitem_1": False, "relu": False}
+
+
+def test_rewritten_graphs_print_readably():
+    cm = compile_mlp({"relu": "swap"})
+    text = cm.forward_graphs[0].print_readable(print_output=False)
+    assert "torch.ops.fxpooch.offload.default(relu)" in text
