@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 
 from . import _torch_compat as compat
 from .capture import GraphPair, Recorder, capture_step
-from .errors import InvalidProfile, UnsupportedModel
+from .errors import InvalidMemoryLimit, InvalidProfile, UnsupportedModel
 from .graph import NodeTable, StepGraph, build_step_graph
 from .hardware import Hardware, Link, get_hardware
 from .memory import MemoryModel
@@ -104,6 +104,9 @@ class CompiledModule(nn.Module):
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if compat.is_cuda_graph_capturing():
+            raise UnsupportedModel("fxpooch cannot run under CUDA graph capture: its copies use side streams and "
+                                   "host memory; capture the model without fxpooch, or run fxpooch eagerly")
         if compat.dispatch_mode_active():
             log.warning("a TorchDispatchMode is active: dynamo runs the model eagerly, without fxpooch's plan")
         key = (self.model.training, _signature(args, kwargs))
@@ -223,6 +226,17 @@ def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, plan
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModel("the model has no parameters that require grad: there is no training step "
                                "to plan (use torch.no_grad() inference instead)")
+    devices = {t.device for t in [*model.parameters(), *pytree.tree_leaves((args, kwargs))]
+               if isinstance(t, torch.Tensor)}
+    if len(devices) > 1:
+        raise UnsupportedModel(f"the model and its example input are on different devices ({sorted(map(str, devices))});"
+                               " move both to the device you train on (e.g. model.to(x.device))")
+    device = next(iter(devices))
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if limit > total:
+            raise InvalidMemoryLimit(f"mem_limit={limit} bytes is more than {device} has ({total} bytes); "
+                                     "pass at most the device's memory")
     return limit, args, kwargs
 
 

@@ -189,16 +189,16 @@ def _step_segments(c: _Canvas, points: Sequence[tuple[float, int]], start: int, 
     return out
 
 
-def _place_label(px: float, py: float, width: float, taken: list[Box], height: float = 15) -> Box:
-    """A label box next to the point (px, py) that avoids ``taken`` (other labels, curves, the
-    limit line) and stays inside the plot; the nearest such place first."""
+def _place_label(px: float, py: float, width: float, taken: list[tuple[Box, float]], height: float = 15) -> Box:
+    """A label box near the point (px, py), inside the plot, overlapping as little as possible of
+    ``taken`` (boxes with weights: other labels and the limit line weigh more than curve strokes)."""
     candidates = []
-    for dy in (-8 - height, 8, -30 - height, 30, -52 - height, 52):
-        for x0 in (px + 8, px - 8 - width):
+    for dy in (-8 - height, 8, -30 - height, 30, -52 - height, 52, -80 - height, 80):
+        for x0 in (px + 8, px - 8 - width, px + 60, px - 60 - width):
             candidates.append((x0, py + dy, x0 + width, py + dy + height))
     inside = [b for b in candidates if b[0] >= LEFT + 2 and b[2] <= WIDTH - RIGHT and b[1] >= PLOT_TOP
               and b[3] <= PLOT_BOTTOM]
-    return min(inside or candidates, key=lambda b: sum(_overlaps(b, t) for t in taken))
+    return min(inside or candidates, key=lambda b: sum(w for t, w in taken if _overlaps(b, t)))
 
 
 def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
@@ -275,9 +275,10 @@ def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
                "end", COLORS["limit"], "bold")
 
     # peaks, labels placed off the limit line and off each other
-    taken: list[Box] = [(LEFT, ly - 8, LEFT + plot_w, ly + 8), (LEFT + plot_w - 260, ly - 24, LEFT + plot_w, ly + 18),
-                        *_step_segments(c, in_core.memory, resident, in_core.step_time),
-                        *_step_segments(c, tl.memory, resident, tl.step_time)]
+    taken: list[tuple[Box, float]] = [
+        ((LEFT, ly - 8, LEFT + plot_w, ly + 8), 50), ((LEFT + plot_w - 260, ly - 24, LEFT + plot_w, ly + 18), 100),
+        *((b, 1) for b in _step_segments(c, in_core.memory, resident, in_core.step_time)),
+        *((b, 1) for b in _step_segments(c, tl.memory, resident, tl.step_time))]
     for curve, peak, color, label in ((in_core.memory, in_core.peak_bytes, COLORS["in-core"], "in-core peak"),
                                       (tl.memory, tl.peak_bytes, COLORS["plan"], "planned peak")):
         when = next((t for t, v in curve if v == peak), 0.0)
@@ -285,9 +286,10 @@ def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
         c.add(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="{color}" stroke="white" stroke-width="1.5"/>')
         text = f"{label} {format_bytes(peak)}"
         box = _place_label(px, py, 6.9 * len(text), taken)
-        taken.append(box)
-        if box[1] > py + 10 or box[3] < py - 10:  # placed away from its point: a leader line
-            c.line(px, py, box[0] if box[0] > px else box[2], box[3] - 5 if box[3] < py else box[1] + 5, color, 0.8)
+        taken.append((box, 1000))
+        if box[1] > py + 10 or box[3] < py - 10 or not -10 < box[0] - px < 10 and not -10 < box[2] - px < 10:
+            end_x = min(max(px, box[0]), box[2])  # a leader line to the label
+            c.line(px, py, end_x, box[3] - 5 if box[3] < py else box[1] + 5, color, 0.8)
         c.text(box[0], box[3] - 3, text, 12, "start", color, "bold")
 
     # lanes under the plot

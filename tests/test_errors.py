@@ -1,0 +1,61 @@
+"""Bad input: each case raises a typed error whose message says what to do."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxpooch
+
+
+def linear():
+    torch.manual_seed(0)
+    return nn.Linear(8, 8), torch.randn(4, 8)
+
+
+def frozen():
+    m, x = linear()
+    m.requires_grad_(False)
+    return m, x
+
+
+def meta_model_cpu_input():
+    with torch.device("meta"):
+        m = nn.Linear(8, 8)
+    return m, torch.randn(4, 8)
+
+
+CASES = [
+    # (id, model factory, example input override, mem_limit, kwargs, error type, message fragment)
+    ("bad-string", linear, None, "16 gigs", {}, fxpooch.InvalidMemoryLimit, "16GiB"),
+    ("negative", linear, None, -5, {}, fxpooch.InvalidMemoryLimit, "positive"),
+    ("zero", linear, None, 0, {}, fxpooch.InvalidMemoryLimit, "positive"),
+    ("bool", linear, None, True, {}, fxpooch.InvalidMemoryLimit, "bool"),
+    ("float", linear, None, 1.5e9, {}, fxpooch.InvalidMemoryLimit, "int"),
+    ("below-floor", linear, None, 1, {}, fxpooch.InfeasibleMemoryLimit, "smallest feasible limit"),
+    ("no-trainable-params", frozen, None, "1GiB", {}, fxpooch.UnsupportedModel, "require grad"),
+    ("input-type", linear, [torch.randn(4, 8)], "1GiB", {}, fxpooch.UnsupportedModel, "tuple"),
+    ("devices-differ", meta_model_cpu_input, None, "1GiB", {}, fxpooch.UnsupportedModel, "different devices"),
+    ("unknown-planner", linear, None, "1GiB", {"planner": "magic"}, fxpooch.UnknownName, "pooch"),
+    ("unknown-hardware", linear, None, "1GiB", {"profile": "analytic", "hardware": "tpu"}, fxpooch.UnknownName,
+     "v100-pcie3"),
+    ("bad-profile", linear, None, "1GiB", {"profile": "nonsense"}, fxpooch.InvalidProfile, "'measure'"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(case):
+    _, factory, override, limit, kwargs, error, fragment = case
+    model, x = factory()
+    with pytest.raises(error) as info:
+        fxpooch.compile(model, x if override is None else override, limit, **kwargs)
+    assert fragment in str(info.value)
+    assert isinstance(info.value, fxpooch.FxpoochError)
+
+
+def test_cuda_limit_above_device_memory_is_rejected():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, x = linear()
+    with pytest.raises(fxpooch.InvalidMemoryLimit, match="more than"):
+        fxpooch.compile(model.cuda(), x.cuda(), "100TiB")
