@@ -8,6 +8,7 @@ reverse order, which is how autograd runs a chain of dynamo graphs.
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -90,9 +91,25 @@ class StepGraph:
         return users
 
     def backward_readers(self, act: Activation) -> list[int]:
-        members = set(act.members)
-        start, stop = self.backward_range[act.graph]
-        return [i for i in range(start, stop) if members.intersection(self.ops[i].args)]
+        """Backward ops (program order) that read one of ``act``'s members."""
+        return self._backward_readers[act.buffer]
+
+    @functools.cached_property
+    def _backward_readers(self) -> dict[int, list[int]]:
+        owner = {m: act.buffer for act in self.activations for m in act.members}
+        readers: dict[int, list[int]] = {act.buffer: [] for act in self.activations}
+        for start, stop in self.backward_range:
+            for i in range(start, stop):
+                for b in dict.fromkeys(owner[a] for a in self.ops[i].args if a in owner):
+                    readers[b].append(i)
+        for r in readers.values():
+            r.sort()
+        return readers
+
+    @functools.cached_property
+    def buffer_graph(self) -> dict[int, int]:
+        """Graph index of the op that allocates each allocated buffer."""
+        return {b: op.graph for op in self.ops for b in op.allocs}
 
     def forward_readers(self, act: Activation) -> list[int]:
         members = set(act.members)

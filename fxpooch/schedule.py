@@ -170,8 +170,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         return tuple(inst(b, tag) for b in graph.ops[op_id].allocs
                      if graph.buffers[b].kind is not BufferKind.RESIDENT)
 
-    tangent_graph = {b: graph.ops[o].graph for o in range(len(graph.ops)) for b in graph.ops[o].allocs
-                     if graph.buffers[b].kind is BufferKind.TANGENT}
+    tangent_graph = graph.buffer_graph
     instrs: list[Instr] = []
     offload_after: dict[int, list[int]] = {}
     for a, act in enumerate(acts):
