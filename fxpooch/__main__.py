@@ -77,8 +77,10 @@ def _import_module(ref: str) -> Any:
         path = Path(ref)
         if not path.exists():
             raise CliError(f"model module {ref!r}: no such file")
-        spec = importlib.util.spec_from_file_location(f"fxpooch_user_{path.stem}", path)
+        name = f"fxpooch_user_{re.sub(r'[^A-Za-z0-9_]', '_', path.stem)}"
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dynamo looks the module's globals up by name
         spec.loader.exec_module(module)
         return module
     if os.getcwd() not in sys.path:
@@ -172,8 +174,13 @@ def _profile_arg(args: argparse.Namespace) -> Any:
 
 
 def in_core_plan(args: argparse.Namespace) -> tuple[Any, str]:
-    """Capture and profile the model once; its in-core plan is the base for every planner."""
+    """Capture and profile the model once: the base plan whose graph and costs every planner reuses.
+
+    Its in-core numbers do not depend on the planner. On a CUDA device the limit may not exceed
+    the device's memory, so a model that does not fit in-core there is based on checkpoint-all.
+    """
     import fxpooch
+    import torch
 
     from .hardware import get_hardware
     from .units import MAX_BYTES
@@ -183,8 +190,14 @@ def in_core_plan(args: argparse.Namespace) -> tuple[Any, str]:
     profile = _profile_arg(args)
     with progress(f"building {args.model}"):
         model, example, label = load_model(args.model, args.batch, args.device)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    limit = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else MAX_BYTES
     with progress(f"capturing and profiling {label}"):
-        base = fxpooch.plan(model, example, MAX_BYTES, planner="in-core", profile=profile, hardware=args.hardware)
+        try:
+            base = fxpooch.plan(model, example, limit, planner="in-core", profile=profile, hardware=args.hardware)
+        except InfeasibleMemoryLimit:
+            base = fxpooch.plan(model, example, limit, planner="checkpoint-all", profile=profile,
+                                hardware=args.hardware)
     return base, label
 
 
@@ -255,10 +268,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
         try:
             with progress(f"planning with {name}"):
                 p = replan(base, name, limit)
-        except FxpoochError as e:
+        except Exception as e:  # one planner failing must not end the comparison
             infeasible += isinstance(e, InfeasibleMemoryLimit)
-            note = (f"needs >= {format_bytes(e.min_feasible_bytes)}" if isinstance(e, InfeasibleMemoryLimit)
-                    else str(e).split(". ")[0])
+            if isinstance(e, InfeasibleMemoryLimit):
+                note = f"needs >= {format_bytes(e.min_feasible_bytes)}"
+            elif isinstance(e, FxpoochError):
+                note = str(e).split(". ")[0]
+            else:
+                note = f"{type(e).__name__}: {e}"
+                log.warning("planner %s raised", name, exc_info=True)
             rows.append([name, "fails", "", "", "", f"{time.perf_counter() - t0:.2f}", note])
             continue
         ok += 1
@@ -286,7 +304,8 @@ def _parser() -> argparse.ArgumentParser:
     verbose = argparse.ArgumentParser(add_help=False)
     verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                          help="log what each stage does (INFO for the 'fxpooch' loggers)")
-    parser = argparse.ArgumentParser(prog="fxpooch", description=__doc__.split("\n\n")[0],
+    head, _, tail = __doc__.partition("\n\n")
+    parser = argparse.ArgumentParser(prog="fxpooch", description=head.replace("``", ""), epilog=tail,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, parents=[verbose])
     sub = parser.add_subparsers(dest="command", required=True)
 

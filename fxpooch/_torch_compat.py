@@ -101,3 +101,31 @@ def dispatch_mode_active() -> bool:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return _get_current_dispatch_mode() is not None
+
+
+def cuda_sleep(cycles: int) -> None:
+    """Enqueue a busy-wait of ``cycles`` GPU clock cycles on the current CUDA stream (tests delay streams)."""
+    torch.cuda._sleep(cycles)
+
+
+def activation_memory_budget(budget: float):
+    """Context manager: torch.compile's partitioner keeps about ``budget`` (0..1) of its activation
+    memory, recomputing the rest (read when a graph compiles, so compile inside the block)."""
+    import torch._functorch.config as fcfg
+
+    return fcfg.patch(activation_memory_budget=budget)
+
+
+def reset_compile_caches() -> None:
+    """Forget every frame torch.compile has compiled, so the next call compiles with current settings.
+
+    This also drops fxpooch's captured graphs: only call it when no CompiledModule is used again.
+    """
+    torch._dynamo.reset()
+
+
+def empty_host_cache() -> None:
+    """Give cached pinned host blocks back to the driver (no-op where torch lacks the hook)."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()

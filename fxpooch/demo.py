@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .api import compile
+from .api import compile, plan
 from .svg import memory_svg
 from .trace import write_chrome_trace
 from .units import format_bytes
@@ -53,12 +53,14 @@ def run_demo(fraction: float = 0.5, batch: int = 16, size: int = 64, steps: int 
     target = torch.randint(0, 10, (batch,), device=dev)
     loss_fn = nn.CrossEntropyLoss()
 
-    probe = compile(model, x, "1TiB", profile="measure")
-    in_core = probe.plan.in_core_peak_bytes
+    # the probe measures the step once; the plan below reuses its profile (same graphs)
+    room = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 2**40
+    probe = plan(model, x, room, planner="in-core", profile="measure")
+    in_core = probe.in_core_peak_bytes
     limit = int(in_core * fraction)
     print(f"device: {dev}; in-core peak of one step: {format_bytes(in_core)}; limit: {format_bytes(limit)}")
     t0 = time.perf_counter()
-    cm = compile(model, x, limit, profile="measure")
+    cm = compile(model, x, limit, profile=probe.profile)
     print(f"planned in {time.perf_counter() - t0:.1f} s\n")
     print(cm.plan)
     if out_dir is not None:

@@ -107,6 +107,12 @@ class StepGraph:
         return readers
 
     @functools.cached_property
+    def dynamic_allocs(self) -> tuple[tuple[int, ...], ...]:
+        """Per op: the buffers it allocates on the device during the step (resident ones excluded)."""
+        return tuple(tuple(b for b in op.allocs if self.buffers[b].kind is not BufferKind.RESIDENT)
+                     for op in self.ops)
+
+    @functools.cached_property
     def buffer_graph(self) -> dict[int, int]:
         """Graph index of the op that allocates each allocated buffer."""
         return {b: op.graph for op in self.ops for b in op.allocs}

@@ -236,6 +236,8 @@ class Plan:
                    f"stall {unit}", f"late d2h {unit}"]
         if with_over:
             headers += [f"swap +{unit}", f"recompute +{unit}", "r(X)"]
+            if n > 50 and len(self._overheads) < n:
+                log.info("what-if simulations for %d activations (2 each) for the plan table", n)
         rows = []
         names = activation_names(self.graph)
         for a, (name, act, d) in enumerate(zip(names, self.graph.activations, self.schedule.decisions)):

@@ -167,8 +167,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         return tuple(out)
 
     def allocs_of(op_id: int, tag: object = ORIGINAL) -> tuple[int, ...]:
-        return tuple(inst(b, tag) for b in graph.ops[op_id].allocs
-                     if graph.buffers[b].kind is not BufferKind.RESIDENT)
+        return tuple(inst(b, tag) for b in graph.dynamic_allocs[op_id])
 
     tangent_graph = graph.buffer_graph
     instrs: list[Instr] = []

@@ -19,6 +19,7 @@ from .units import format_bytes
 
 if TYPE_CHECKING:
     from .plan import Plan
+    from .simulator import Timeline
 
 log = logging.getLogger("fxpooch.svg")
 
@@ -28,6 +29,7 @@ WIDTH, HEIGHT = 1000, 540
 LEFT, RIGHT = 84, 24  # plot margins (pixels)
 PLOT_TOP, PLOT_BOTTOM = 96, 400
 LANE_TOP, LANE_HEIGHT, LANE_GAP = 420, 16, 6
+LANES_BOTTOM = LANE_TOP + 3 * LANE_HEIGHT + 2 * LANE_GAP
 FONT = "Helvetica, Arial, sans-serif"
 COLORS = {"plan": "#1f6fb4", "in-core": "#8c8c8c", "limit": "#d62728", "offload": "#2ca02c",
           "prefetch": "#9467bd", "recompute": "#ff7f0e", "stall": "#d62728", "grid": "#e6e6e6",
@@ -53,8 +55,8 @@ def _ticks(hi: float, target: int) -> tuple[list[float], float]:
 
 
 def _label(v: float, step: float) -> str:
-    decimals = max(0, -int(math.floor(math.log10(step))) + (1 if step / 10 ** math.floor(math.log10(step)) == 2.5
-                                                             else 0)) if step < 1 else 0
+    """Tick label with as many decimals as the step needs (0.25 -> 2, 0.5 -> 1, 5 -> 0)."""
+    decimals = next((d for d in range(7) if abs(step * 10**d - round(step * 10**d)) < 1e-6), 6)
     return f"{v:.{decimals}f}"
 
 
@@ -201,82 +203,42 @@ def _place_label(px: float, py: float, width: float, taken: list[tuple[Box, floa
     return min(inside or candidates, key=lambda b: sum(w for t, w in taken if _overlaps(b, t)))
 
 
-def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
-    """SVG of device memory over the simulated step: the plan vs in-core vs the limit.
-
-    Returns the SVG text; also writes it to ``path`` when given.
-    """
-    tl, in_core = plan.timeline, plan.in_core_timeline()
-    resident = plan.graph.resident_bytes
-    t_max = max(tl.step_time, in_core.step_time) or 1e-9
-    top_bytes = max(in_core.peak_bytes, tl.peak_bytes)
-    limit_shown = plan.mem_limit <= 1.5 * top_bytes  # a far-away limit would flatten the curves
-    if limit_shown:
-        top_bytes = max(top_bytes, plan.mem_limit)
-    unit, scale = _byte_unit(top_bytes)
-    y_ticks, y_step = _ticks(top_bytes * 1.15 / scale, 7)
-    x_ticks, x_step = _ticks(t_max * 1e3, 10)
-    c = _Canvas(x_ticks[-1] / 1e3, y_ticks[-1] * scale)
-    plot_w = WIDTH - LEFT - RIGHT
-    lanes_bottom = LANE_TOP + 3 * (LANE_HEIGHT + LANE_GAP) - LANE_GAP
-
-    c.add(f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>')
+def _header(c: _Canvas, plan: Plan) -> None:
     slowdown = plan.step_time / plan.in_core_time if plan.in_core_time else float("nan")
-    c.text(LEFT, 28, f"fxpooch: device memory of one training step, planner {plan.planner!r}", 17, weight="bold")
     n = plan.counts()
+    c.text(LEFT, 28, f"fxpooch: device memory of one training step, planner {plan.planner!r}", 17, weight="bold")
     c.text(LEFT, 50, f"peak {format_bytes(plan.peak_bytes)}, limit {format_bytes(plan.mem_limit)}, in-core "
            f"{format_bytes(plan.in_core_peak_bytes)}   |   step {plan.step_time * 1e3:.3f} ms = {slowdown:.2f}x "
            f"in-core ({plan.in_core_time * 1e3:.3f} ms)   |   keep {n['keep']}, swap {n['swap']}, "
            f"recompute {n['recompute']}", 12.5, color=COLORS["muted"])
     _legend(c, 78, plan.planner)
 
-    # grid and axes
+
+def _axes(c: _Canvas, y_ticks: list[float], y_step: float, scale: float, unit: str, x_ticks: list[float],
+          x_step: float, source: str) -> None:
+    plot_w = WIDTH - LEFT - RIGHT
     for v in y_ticks:
         y = c.y(v * scale)
         c.line(LEFT, y, LEFT + plot_w, y, COLORS["grid"])
         c.text(LEFT - 8, y + 4, _label(v, y_step), 11, "end", COLORS["muted"])
     for v in x_ticks:
         x = c.x(v / 1e3)
-        c.line(x, PLOT_TOP, x, lanes_bottom, COLORS["grid"])
-        c.text(x, lanes_bottom + 18, _label(v, x_step), 11, "middle", COLORS["muted"])
+        c.line(x, PLOT_TOP, x, LANES_BOTTOM, COLORS["grid"])
+        c.text(x, LANES_BOTTOM + 18, _label(v, x_step), 11, "middle", COLORS["muted"])
     c.line(LEFT, PLOT_BOTTOM, LEFT + plot_w, PLOT_BOTTOM, "#444444")
     c.line(LEFT, PLOT_TOP, LEFT, PLOT_BOTTOM, "#444444")
-    c.text(LEFT + plot_w / 2, lanes_bottom + 38, f"time (ms), simulated with {plan.profile.source} costs", 12, "middle")
+    c.text(LEFT + plot_w / 2, LANES_BOTTOM + 38, f"time (ms), simulated with {source} costs", 12, "middle")
     yl = (PLOT_TOP + PLOT_BOTTOM) / 2
     c.add(f'<text x="22" y="{yl:.1f}" font-size="12" text-anchor="middle" fill="{COLORS["text"]}" '
           f'transform="rotate(-90 22 {yl:.1f})">device memory ({unit})</text>')
 
-    # recompute and stall periods, shaded across the plot
-    regions = _regions(plan)
-    px_s = c.t_max / plot_w  # seconds per pixel
-    for kind in ("recompute", "stall"):
-        for s, e in _merge(regions[kind], px_s):
-            c.rect(c.x(s), PLOT_TOP, c.x(e) - c.x(s), PLOT_BOTTOM - PLOT_TOP, COLORS[kind], 0.09)
 
-    # forward / backward boundary
-    fx_ = c.x(tl.forward_end)
-    c.line(fx_, PLOT_TOP, fx_, lanes_bottom, "#444444", 1, "3,3")
-    c.text(fx_ - 6, PLOT_TOP + 14, "forward", 11, "end", COLORS["muted"])
-    c.text(fx_ + 6, PLOT_TOP + 14, "backward", 11, "start", COLORS["muted"])
-
-    # curves: in-core first (under), then the plan with a light fill
-    c.add(f'<path d="{c.step_path(in_core.memory, resident, in_core.step_time)}" fill="none" '
-          f'stroke="{COLORS["in-core"]}" stroke-width="1.6" stroke-dasharray="6,4"/>')
-    plan_d = c.step_path(tl.memory, resident, tl.step_time)
-    c.add(f'<path d="{plan_d}V{PLOT_BOTTOM}H{LEFT}Z" fill="{COLORS["plan"]}" fill-opacity="0.12" stroke="none"/>')
-    c.add(f'<path d="{plan_d}" fill="none" stroke="{COLORS["plan"]}" stroke-width="2"/>')
-    if limit_shown:
-        ly = c.y(plan.mem_limit)
-        c.line(LEFT, ly, LEFT + plot_w, ly, COLORS["limit"], 2, "8,4")
-        c.text(LEFT + plot_w - 4, ly - 6, f"limit {format_bytes(plan.mem_limit)}", 12, "end", COLORS["limit"], "bold")
-    else:
-        ly = PLOT_TOP
-        c.text(LEFT + plot_w - 4, PLOT_TOP + 14, f"limit {format_bytes(plan.mem_limit)} (far above the chart)", 12,
-               "end", COLORS["limit"], "bold")
-
-    # peaks, labels placed off the limit line and off each other
+def _peaks(c: _Canvas, plan: Plan, in_core: Timeline, limit_y: float) -> None:
+    """Dots on both peaks, labels placed off the limit line, the curves and each other."""
+    tl, resident, plot_w = plan.timeline, plan.graph.resident_bytes, WIDTH - LEFT - RIGHT
     taken: list[tuple[Box, float]] = [
-        ((LEFT, ly - 8, LEFT + plot_w, ly + 8), 50), ((LEFT + plot_w - 260, ly - 24, LEFT + plot_w, ly + 18), 100),
+        ((LEFT, limit_y - 8, LEFT + plot_w, limit_y + 8), 50),
+        ((LEFT + plot_w - 260, limit_y - 24, LEFT + plot_w, limit_y + 18), 100),
         *((b, 1) for b in _step_segments(c, in_core.memory, resident, in_core.step_time)),
         *((b, 1) for b in _step_segments(c, tl.memory, resident, tl.step_time))]
     for curve, peak, color, label in ((in_core.memory, in_core.peak_bytes, COLORS["in-core"], "in-core peak"),
@@ -292,7 +254,10 @@ def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
             c.line(px, py, end_x, box[3] - 5 if box[3] < py else box[1] + 5, color, 0.8)
         c.text(box[0], box[3] - 3, text, 12, "start", color, "bold")
 
-    # lanes under the plot
+
+def _lanes(c: _Canvas, regions: dict[str, list[tuple[float, float]]], px_s: float) -> None:
+    """Offloads, prefetches, and recomputations / stalls as bars under the plot."""
+    plot_w = WIDTH - LEFT - RIGHT
     for row, (label, kinds) in enumerate((("D2H", ("offload",)), ("H2D", ("prefetch",)),
                                           ("compute", ("recompute", "stall")))):
         y = LANE_TOP + row * (LANE_HEIGHT + LANE_GAP)
@@ -301,6 +266,55 @@ def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
         for kind in kinds:
             for s, e in _merge(regions[kind], px_s):
                 c.rect(c.x(s), y, c.x(e) - c.x(s), LANE_HEIGHT, COLORS[kind], 0.85)
+
+
+def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
+    """SVG of device memory over the simulated step: the plan vs in-core vs the limit.
+
+    Returns the SVG text; also writes it to ``path`` when given.
+    """
+    tl, in_core = plan.timeline, plan.in_core_timeline()
+    resident = plan.graph.resident_bytes
+    top_bytes = max(in_core.peak_bytes, tl.peak_bytes)
+    limit_shown = plan.mem_limit <= 1.5 * top_bytes  # a far-away limit would flatten the curves
+    if limit_shown:
+        top_bytes = max(top_bytes, plan.mem_limit)
+    unit, scale = _byte_unit(top_bytes)
+    y_ticks, y_step = _ticks(top_bytes * 1.15 / scale, 7)  # headroom for the peak labels
+    x_ticks, x_step = _ticks((max(tl.step_time, in_core.step_time) or 1e-9) * 1e3, 10)
+    c = _Canvas(x_ticks[-1] / 1e3, y_ticks[-1] * scale)
+    plot_w = WIDTH - LEFT - RIGHT
+
+    c.add(f'<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>')
+    _header(c, plan)
+    _axes(c, y_ticks, y_step, scale, unit, x_ticks, x_step, plan.profile.source)
+    regions = _regions(plan)
+    px_s = c.t_max / plot_w  # seconds per pixel
+    for kind in ("recompute", "stall"):  # shaded across the plot
+        for s, e in _merge(regions[kind], px_s):
+            c.rect(c.x(s), PLOT_TOP, c.x(e) - c.x(s), PLOT_BOTTOM - PLOT_TOP, COLORS[kind], 0.09)
+    fwd = c.x(tl.forward_end)
+    c.line(fwd, PLOT_TOP, fwd, LANES_BOTTOM, "#444444", 1, "3,3")
+    c.text(fwd - 6, PLOT_TOP + 14, "forward", 11, "end", COLORS["muted"])
+    c.text(fwd + 6, PLOT_TOP + 14, "backward", 11, "start", COLORS["muted"])
+
+    # curves: in-core first (under), then the plan with a light fill
+    c.add(f'<path d="{c.step_path(in_core.memory, resident, in_core.step_time)}" fill="none" '
+          f'stroke="{COLORS["in-core"]}" stroke-width="1.6" stroke-dasharray="6,4"/>')
+    plan_d = c.step_path(tl.memory, resident, tl.step_time)
+    c.add(f'<path d="{plan_d}V{PLOT_BOTTOM}H{LEFT}Z" fill="{COLORS["plan"]}" fill-opacity="0.12" stroke="none"/>')
+    c.add(f'<path d="{plan_d}" fill="none" stroke="{COLORS["plan"]}" stroke-width="2"/>')
+    if limit_shown:
+        limit_y = c.y(plan.mem_limit)
+        c.line(LEFT, limit_y, LEFT + plot_w, limit_y, COLORS["limit"], 2, "8,4")
+        c.text(LEFT + plot_w - 4, limit_y - 6, f"limit {format_bytes(plan.mem_limit)}", 12, "end", COLORS["limit"],
+               "bold")
+    else:
+        limit_y = PLOT_TOP
+        c.text(LEFT + plot_w - 4, PLOT_TOP + 14, f"limit {format_bytes(plan.mem_limit)} (far above the chart)", 12,
+               "end", COLORS["limit"], "bold")
+    _peaks(c, plan, in_core, limit_y)
+    _lanes(c, regions, px_s)
 
     svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" '
            f'viewBox="0 0 {WIDTH} {HEIGHT}" font-family="{FONT}">\n'

@@ -29,6 +29,9 @@ class PoochOptions:
     max_exhaustive: int = 10
     #: run step 2 (swap -> recompute); False gives the paper's "swap-opt"
     recompute: bool = True
+    #: when swap-all does not fit: activations smaller than this fraction of the limit are
+    #: tried as one group before the one-by-one pass (each pass step costs a simulation)
+    small_fraction: float = 1e-3
 
 
 def _better(a: Candidate | None, b: Candidate | None) -> bool:
@@ -123,12 +126,30 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate) -> Candidate:
     return current
 
 
-def keep_from_output_side(ev: Evaluator, start: Candidate) -> Candidate:
-    """Turn activations to keep, output side first, while the plan fits and gets no slower."""
+def keep_from_output_side(ev: Evaluator, start: Candidate, options: PoochOptions) -> Candidate:
+    """Turn activations to keep, output side first, while the plan fits and gets no slower.
+
+    An activation larger than the headroom left under the limit is skipped without a
+    simulation: keeping it would hold its bytes through the forward-backward turn, where
+    the peak of a tight plan lies.
+    """
     best = start
+    nbytes = [ev.graph.buffers[act.buffer].nbytes for act in ev.graph.activations]
+    small = [a for a, d in enumerate(start.decisions)
+             if d is not Decision.KEEP and nbytes[a] < options.small_fraction * ev.problem.mem_limit]
+    if small:  # tiny activations (normalisation statistics, masks) are judged together
+        trial = list(best.decisions)
+        for a in small:
+            trial[a] = Decision.KEEP
+        c = ev.evaluate(trial)
+        if c is not None and c.fits and c.step_time <= best.step_time:
+            best = c
     order = sorted(range(len(start.decisions)), key=lambda a: -max(ev.graph.activations[a].members))
     for a in order:
         if best.decisions[a] is Decision.KEEP:
+            continue
+        headroom = ev.problem.mem_limit - best.timeline.peak_bytes
+        if nbytes[a] > headroom:
             continue
         trial = list(best.decisions)
         trial[a] = Decision.KEEP
@@ -147,7 +168,7 @@ def plan_pooch(problem: Problem, options: PoochOptions = PoochOptions(), name: s
     if start is None or not start.fits:
         # swap-all does not fit (a slow link holds offloaded memory until its copy ends): start
         # from the most frugal plan and keep what fits, output side first (as step 1 does for L_O)
-        start = keep_from_output_side(ev, require_fit(ev, ev.floor(), name))
+        start = keep_from_output_side(ev, require_fit(ev, ev.floor(), name), options)
     best = step1_keep_or_swap(ev, start, options)
     if options.recompute:
         best = step2_swap_to_recompute(ev, best)
