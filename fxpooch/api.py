@@ -13,12 +13,13 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from . import _torch_compat as compat
+from .debug import dump_graphs
 from .capture import GraphPair, Recorder, capture_step
 from .errors import InvalidMemoryLimit, InvalidProfile, UnsupportedModel
 from .graph import NodeTable, StepGraph, build_step_graph
 from .hardware import Hardware, Link, get_hardware
 from .memory import MemoryModel
-from .plan import Plan, activation_names
+from .plan import Plan, activation_meta, activation_names
 from .planners import Problem, get_planner
 from .profile import Profile, analytic_profile, measure_profile
 from .schedule import build_schedule
@@ -133,6 +134,9 @@ def _resolve_profile(options: CompileOptions, graph: StepGraph, table: NodeTable
         hardware = get_hardware(hardware)
     if isinstance(options.profile, Profile):
         profile = options.profile
+    elif options.profile not in ("analytic", "measure") and isinstance(options.profile, (str, os.PathLike)) \
+            and os.path.exists(options.profile):
+        profile = Profile.load(options.profile)
     elif options.profile == "analytic" or device.type == "meta":
         hw = hardware or get_hardware("cpu" if device.type == "cpu" else "h100-pcie5")
         profile = analytic_profile(graph, table, hw)
@@ -141,8 +145,6 @@ def _resolve_profile(options: CompileOptions, graph: StepGraph, table: NodeTable
         if link is None:
             link = measure_link(device) if device.type == "cuda" else get_hardware("cpu").link
         profile = measure_profile(graph, table, inputs, link)
-    elif isinstance(options.profile, (str, os.PathLike)) and os.path.exists(options.profile):
-        profile = Profile.load(options.profile)
     else:
         raise InvalidProfile(
             f"profile={options.profile!r}: pass 'measure', 'analytic', a Profile or the path of a saved profile")
@@ -171,6 +173,7 @@ def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple,
         step_time=candidate.step_time, in_core_time=in_core.step_time, in_core_peak_bytes=in_core.peak_bytes,
         decisions={n: d.value for n, d in zip(activation_names(graph), candidate.decisions)},
         graph=graph, schedule=candidate.schedule, timeline=candidate.timeline, profile=profile,
+        activation_meta=activation_meta(graph, table),
     )
     log.info("planned with %s: peak %d bytes (limit %d), %s", name, plan.peak_bytes, mem_limit, plan.counts())
     return _Planned(plan, graph, table, pairs)
@@ -191,6 +194,7 @@ class _Planned:
 
         for g, pair in enumerate(self.pairs):
             rewritten = rewrite_pair(g, self.graph, self.table, self.plan.schedule)
+            dump_graphs(g, pair, rewritten)
             set_boxed_codegen(rewritten.forward)
             set_boxed_codegen(rewritten.backward)
             pair.bind(rewritten.forward, rewritten.backward)

@@ -85,11 +85,13 @@ def test_plan_prints_the_plan_and_writes_trace_and_svg(tmp_path, capsys):
 
 
 def test_compare_lists_every_planner_and_failures(capsys, tmp_path):
-    assert main(["compare", MLP, "--mem-limit", "95%", *ANALYTIC, "--out", str(tmp_path)]) == 0
+    # transformer_block's forward reads module globals (math, F): the .py file must be importable by name
+    model = f"{REPO / 'tests' / 'zoo.py'}:transformer_block"
+    assert main(["compare", model, "--mem-limit", "80%", *ANALYTIC, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in PLANNERS}
     assert set(rows) == set(PLANNERS)
-    assert "fails" in rows["in-core"]  # 95% of the in-core peak: keeping everything does not fit
+    assert "fails" in rows["in-core"]  # 80% of the in-core peak: keeping everything does not fit
     assert "fails" not in rows["pooch"] and "x" in rows["pooch"]
 
 
