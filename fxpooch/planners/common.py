@@ -1,9 +1,12 @@
 """What every planner shares: the problem, a caching evaluator, prefetch placement, the floor."""
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..errors import InfeasibleMemoryLimit
 from ..graph import Phase, StepGraph
@@ -42,7 +45,7 @@ def place_prefetches(graph: StepGraph, decisions: Sequence[Decision], budget: in
     memory curve of the just-in-time schedule, raising it as each prefetch moves earlier.
     """
     jit = build_schedule(graph, decisions)
-    mem = static_memory(jit)
+    mem = np.asarray(static_memory(jit), dtype=np.int64)
     group_start: dict[int, int] = {}  # backward op -> first instruction of its group
     pending_group = None
     for i, ins in enumerate(jit.instrs):
@@ -53,29 +56,26 @@ def place_prefetches(graph: StepGraph, decisions: Sequence[Decision], budget: in
         pending_group = None
     prefetch_index = {ins.act: i for i, ins in enumerate(jit.instrs) if ins.kind is Kind.PREFETCH}
     placed = list(jit.prefetch_before)
-    floor_index = {}  # per backward graph: prefetches stay in FIFO order
+    floor_index: dict[int, int] = {}  # per backward graph: prefetches stay in FIFO order
+    groups: dict[int, tuple[list[int], list[int]]] = {}  # graph -> (group starts, ops), ascending
     for a in sorted(prefetch_index, key=prefetch_index.get):
         g = graph.activations[a].graph
-        start, _ = graph.backward_range[g]
+        start, stop = graph.backward_range[g]
+        if g not in groups:
+            ops = [op for op in range(start, stop) if op in group_start]
+            groups[g] = ([group_start[op] for op in ops], ops)
+        starts, ops = groups[g]
         jit_i = prefetch_index[a]
         nbytes = jit.instance_bytes[jit.instrs[jit_i].allocs[0]]
-        lo = max(group_start.get(start, 0), floor_index.get(g, 0))
-        best = jit_i
-        running = 0
-        for i in range(jit_i - 1, lo - 1, -1):
-            running = max(running, mem[i])
-            if running + nbytes > budget:
-                break
-            best = i
-        # snap to the start of a backward op's group
-        choice = jit.prefetch_before[a]
-        for op in range(start, jit.prefetch_before[a] + 1):
-            if group_start.get(op, -1) >= best:
-                choice = op
-                break
+        lo = max(starts[0], floor_index.get(g, 0))
+        # walking back from jit_i, the running max of memory only grows: count the steps that fit
+        running = np.maximum.accumulate(mem[lo:jit_i][::-1])
+        best = jit_i - int(np.searchsorted(running, budget - nbytes, side="right"))
+        # snap to the start of a backward op's group (not later than the just-in-time one)
+        k = bisect.bisect_left(starts, best)
+        choice = ops[k] if k < len(ops) and ops[k] <= jit.prefetch_before[a] else jit.prefetch_before[a]
         gi = group_start[choice]
-        for i in range(gi, jit_i):
-            mem[i] += nbytes
+        mem[gi:jit_i] += nbytes
         floor_index[g] = gi
         placed[a] = choice
     return placed
