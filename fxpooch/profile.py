@@ -39,7 +39,8 @@ def op_key(graph: StepGraph, op_id: int) -> str:
 def fingerprint(graph: StepGraph) -> str:
     h = hashlib.sha256()
     for i, op in enumerate(graph.ops):
-        h.update(f"{op_key(graph, i)}:{op.target};".encode())
+        sizes = ",".join(str(graph.buffers[b].nbytes) for b in op.allocs)
+        h.update(f"{op_key(graph, i)}:{op.target}:{sizes};".encode())
     return h.hexdigest()[:16]
 
 

@@ -9,8 +9,10 @@ so rewritten graphs run (and are tested) on any machine.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -26,17 +28,25 @@ _lib.define("drop(Tensor x) -> Tensor")
 
 @dataclass
 class HostPool:
-    """Host (pinned, on CUDA machines) buffers by byte size, reused once their copies are done."""
+    """Host (pinned, on CUDA machines) buffers by byte size, reused once their copies are done.
+
+    A block goes back to the pool when its prefetch is done, or when the host copy is dropped
+    without one (a forward whose backward never runs); returning twice is harmless.
+    """
 
     pin: bool = field(default_factory=torch.cuda.is_available)
     free: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    busy: list[tuple[torch.Tensor, object]] = field(default_factory=list)  # (block, event or None)
+    pending: list[tuple[torch.Tensor, object]] = field(default_factory=list)  # (block, event or None)
+    in_use: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # data_ptr -> (token, block)
     total_bytes: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    _tokens: itertools.count = field(default_factory=itertools.count, repr=False)
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """An uninitialised host tensor with ``like``'s shape, strides and dtype."""
-        nbytes = like.untyped_storage().nbytes() if like.is_contiguous() else _span_bytes(like)
+        nbytes = _span_bytes(like)
+        if nbytes == 0:
+            return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype)
         with self.lock:
             self._collect()
             blocks = self.free.get(nbytes)
@@ -45,26 +55,40 @@ class HostPool:
             else:
                 block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
                 self.total_bytes += nbytes
-        return torch.empty(0, dtype=like.dtype).set_(block.untyped_storage(), 0, like.shape, like.stride())
+            token = next(self._tokens)
+            self.in_use[block.data_ptr()] = (token, block)
+        host = torch.empty(0, dtype=like.dtype).set_(block.untyped_storage(), 0, like.shape, like.stride())
+        weakref.finalize(host, self._dropped, block.data_ptr(), token)
+        return host
 
     def give_back(self, host: torch.Tensor, after: object = None) -> None:
         """Return ``host``'s block once ``after`` (a CUDA event, or None: now) has completed."""
-        block = torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage())
+        self._release(host.untyped_storage().data_ptr(), None, after)
+
+    def _dropped(self, ptr: int, token: int) -> None:
+        self._release(ptr, token, _offloaded.pop(ptr, None))
+
+    def _release(self, ptr: int, token: int | None, after: object) -> None:
         with self.lock:
-            self.busy.append((block, after))
+            entry = self.in_use.get(ptr)
+            if entry is None or (token is not None and entry[0] != token):
+                return  # already returned (and perhaps handed out again)
+            del self.in_use[ptr]
+            self.pending.append((entry[1], after))
             self._collect()
 
     def _collect(self) -> None:
         still = []
-        for block, event in self.busy:
+        for block, event in self.pending:
             if event is None or event.query():
-                self.free.setdefault(block.untyped_storage().nbytes(), []).append(block)
+                self.free.setdefault(block.numel(), []).append(block)
             else:
                 still.append((block, event))
-        self.busy = still
+        self.pending = still
 
 
 def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from a view's first element to its last (what a copy with its strides needs)."""
     if t.numel() == 0:
         return 0
     extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
