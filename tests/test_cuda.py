@@ -1,0 +1,223 @@
+"""fxpooch's CUDA runtime on a real GPU: side streams, events, ``record_stream``, the pinned pool
+and the caching allocator's peak. Every test is skipped where ``torch.cuda.is_available()`` is
+False (the CPU tests in test_correctness.py cover the same plans with host copies).
+
+* gradients equal eager's (fp32, rtol 1e-5) while every copy is artificially delayed, so a
+  missing event, ``wait_stream`` or ``record_stream`` shows up as a wrong number;
+* ``torch.cuda.max_memory_allocated`` stays under the limit over a sweep of limits, never rises
+  as the limit falls, and is within 5% of the planned peak;
+* host memory (the pinned pool and the process RSS) is flat over 50 steps; pool blocks are reused.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import fxpooch
+from fxpooch import _torch_compat as compat
+from fxpooch import runtime
+from zoo import ZOO
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="no CUDA device: these tests check fxpooch's CUDA runtime (side streams, events, pinned pool, "
+           "allocator peaks); the CPU path is covered by test_correctness.py")
+
+RTOL, ATOL = 1e-5, 1e-6
+SLEEP_CYCLES = 10 ** 6  # ~0.5 ms busy-wait per copy at ~2 GHz: longer than any copy of these models
+HARDWARE = "h100-pcie5"  # analytic costs: the same decisions on every GPU
+PEAK_TOL = 0.05
+SWEEP_POINTS = 5
+RSS_SLACK = 8 * 2 ** 20  # bytes the process may grow over 45 steady steps (Python's own caches)
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32() -> Iterator[None]:
+    """No TF32, deterministic cuDNN: eager and the planned graphs compute bit-comparable numbers."""
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+
+
+@pytest.fixture(params=["side", "compute"])
+def delayed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every offload/prefetch first enqueues a busy-wait: on its side stream ("side": copies run
+    late, so the compute stream must wait for them and must not reuse their buffers early), or on
+    the compute stream ("compute": the producers and earlier users of a buffer finish late)."""
+    real_get = runtime._streams.get
+
+    def get(table: dict, device: torch.device) -> torch.cuda.Stream:
+        stream = real_get(table, device)
+        with torch.cuda.stream(stream if request.param == "side" else torch.cuda.current_stream(device)):
+            compat.cuda_sleep(SLEEP_CYCLES)
+        return stream
+
+    monkeypatch.setattr(runtime._streams, "get", get)
+    return request.param
+
+
+def cuda_zoo(name: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    model, x = ZOO[name]()
+    return model.cuda(), x.cuda()
+
+
+def device_memory() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def compile_cuda(model: torch.nn.Module, x: torch.Tensor, limit: int, planner: str = "pooch",
+                 profile: str | fxpooch.Profile = "analytic") -> fxpooch.CompiledModule:
+    hardware = HARDWARE if isinstance(profile, str) and profile == "analytic" else None
+    return fxpooch.compile(model, x, limit, planner=planner, profile=profile, hardware=hardware)
+
+
+def floor_and_in_core(model: torch.nn.Module, x: torch.Tensor, profile: str | fxpooch.Profile = "analytic"
+                      ) -> tuple[int, int]:
+    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as info:
+        compile_cuda(model, x, 1, profile=profile)
+    in_core = compile_cuda(model, x, device_memory(), planner="in-core", profile=profile).plan.in_core_peak_bytes
+    return info.value.min_feasible_bytes, in_core
+
+
+_limits: dict[str, tuple[int, int]] = {}
+
+
+def step(cm: fxpooch.CompiledModule, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One forward + backward(ones) from ``.grad = None`` (what the plans assume)."""
+    model.zero_grad(set_to_none=True)
+    out = cm(x)
+    out.backward(torch.ones_like(out))
+    return out.detach()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- (a) gradients under delayed copies ---------------------------------------------------------
+@pytest.mark.parametrize("which", ["in_core", "middle", "floor", "swap-all"])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_gradients_match_eager_with_delayed_copies(name: str, which: str, delayed: str):
+    model, x = cuda_zoo(name)
+    if name not in _limits:
+        _limits[name] = floor_and_in_core(model, x)
+    floor, in_core = _limits[name]
+    limit = {"in_core": in_core, "middle": (floor + in_core) // 2, "floor": floor, "swap-all": device_memory()}[which]
+    eager = copy.deepcopy(model)
+    cm = compile_cuda(model, x, limit, planner="swap-all" if which == "swap-all" else "pooch")
+    counts = cm.plan.counts()
+    assert cm.plan.peak_bytes <= limit
+    if which in ("middle", "floor"):
+        assert counts["swap"] + counts["recompute"] > 0, counts
+    if which == "swap-all":
+        assert counts["swap"] > 0, counts
+    for seed in range(3):  # later steps reuse the pool's host blocks and the streams
+        torch.manual_seed(seed)
+        out = step(cm, model, x)
+        torch.manual_seed(seed)
+        ref = step(eager, eager, x)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m, n=n, s=seed: f"step {s}, grad of {n} ({delayed} delay): {m}")
+        for (n, b), c in zip(model.named_buffers(), eager.buffers()):
+            torch.testing.assert_close(b, c, rtol=RTOL, atol=ATOL, msg=lambda m, n=n: f"buffer {n}: {m}")
+
+
+@pytest.mark.parametrize("delayed", ["side"], indirect=True)
+def test_offloaded_buffer_is_not_reused_before_its_copy(delayed: str):
+    """``record_stream``: freeing the source while its (late) D2H copy is queued must not let the
+    allocator hand its memory to the next tensor; the round trip then returns the original."""
+    n = 1 << 22
+    x = torch.randn(n, device="cuda")
+    expected = x.cpu()
+    host = torch.ops.fxpooch.offload(x)
+    del x
+    torch.empty(n, device="cuda").fill_(7.0)  # takes x's block if record_stream were missing
+    back = torch.ops.fxpooch.wait(torch.ops.fxpooch.prefetch(host, torch.device("cuda")))
+    back = back * 1  # a compute-stream read, ordered by wait
+    torch.testing.assert_close(back.cpu(), expected, rtol=0, atol=0)
+
+
+# -- (b) measured peaks over a sweep of limits ---------------------------------------------------
+def measured_peak(cm: fxpooch.CompiledModule, model: torch.nn.Module, x: torch.Tensor) -> int:
+    """``max_memory_allocated`` of one step, counted like the plan: resident bytes + the step's
+    own, without what other tests or the cuBLAS workspace hold on the device."""
+    step(cm, model, x)  # warm-up: pool blocks, cuBLAS workspaces, lazy kernels
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    outside = torch.cuda.memory_allocated() - cm.plan.graph.resident_bytes
+    torch.cuda.reset_peak_memory_stats()
+    step(cm, model, x)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - outside
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet_small", "transformer_block"])
+def test_measured_peak_within_limit_and_monotone(name: str):
+    model, x = cuda_zoo(name)
+    profile = compile_cuda(model, x, device_memory(), profile="measure").plan.profile  # CUDA events, real link
+    floor, in_core = floor_and_in_core(model, x, profile)
+    limits = sorted({floor + (in_core - floor) * i // (SWEEP_POINTS - 1) for i in range(SWEEP_POINTS)}, reverse=True)
+    peaks = []
+    for limit in limits:
+        cm = compile_cuda(model, x, limit, profile=profile)
+        peak = measured_peak(cm, model, x)
+        planned = cm.plan.peak_bytes
+        assert peak <= limit, f"limit {limit}: measured {peak} bytes (planned {planned}, {cm.plan.counts()})"
+        assert abs(planned - peak) <= PEAK_TOL * peak, \
+            f"limit {limit}: planned {planned}, static {cm.plan.static_peak_bytes}, measured {peak} bytes"
+        peaks.append(peak)
+    assert all(lower <= higher for higher, lower in zip(peaks, peaks[1:])), \
+        f"a lower limit gave a higher peak: {list(zip(limits, peaks))}"
+
+
+# -- (c, d) host memory ------------------------------------------------------------------------
+def swapping_module(name: str) -> tuple[fxpooch.CompiledModule, torch.nn.Module, torch.Tensor]:
+    model, x = cuda_zoo(name)
+    cm = compile_cuda(model, x, device_memory(), planner="swap-all")
+    assert cm.plan.counts()["swap"] > 0
+    return cm, model, x
+
+
+def test_host_memory_flat_over_50_steps():
+    cm, model, x = swapping_module("transformer_block")
+    pool_bytes, rss, pending = [], [], []
+    for _ in range(50):
+        step(cm, model, x)
+        torch.cuda.synchronize()  # as a training loop that logs its loss does
+        gc.collect()
+        pool_bytes.append(runtime.POOL.total_bytes)
+        rss.append(rss_bytes())
+        pending.append((len(runtime._offloaded), len(runtime._prefetched)))
+    assert set(pool_bytes) == {pool_bytes[0]}, f"pinned pool grew: {pool_bytes}"
+    assert set(pending) == {pending[0]}, f"copy events accumulate: {pending}"
+    assert rss[-1] - rss[4] <= RSS_SLACK, f"RSS grew {(rss[-1] - rss[4]) / 2**20:.1f} MiB over 45 steps"
+
+
+def test_pinned_pool_blocks_are_reused():
+    cm, model, x = swapping_module("mlp")
+    pool = runtime.POOL
+    assert pool.pin, "on a CUDA machine host copies must be pinned (else copies are synchronous)"
+    step(cm, model, x)
+    torch.cuda.synchronize()
+    after_first = pool.total_bytes
+    for _ in range(9):
+        step(cm, model, x)
+        torch.cuda.synchronize()
+    assert pool.total_bytes == after_first, "step 10 allocated host blocks instead of reusing step 1's"
+    blocks = [b for free in pool.free.values() for b in free]
+    assert blocks and all(b.is_pinned() for b in blocks)
