@@ -177,8 +177,8 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
             offload_after.setdefault(max(act.members), []).append(a)
     prefetch_at: dict[int, list[int]] = {}
     wait_at: dict[int, list[int]] = {}
-    for a, op in enumerate(prefetch):
-        if op >= 0:
+    for a, op in sorted(enumerate(prefetch), key=lambda t: first_use.get(t[0], -1)):
+        if op >= 0:  # prefetches issued together leave in the order they are needed (H2D is FIFO)
             prefetch_at.setdefault(op, []).append(a)
             wait_at.setdefault(first_use[a], []).append(a)
     recompute_at: dict[int, list[int]] = {}
