@@ -25,6 +25,6 @@ def get_planner(name: str) -> Planner:
         raise UnknownName("planner", name, PLANNERS) from None
 
 
-from . import baselines, pooch  # noqa: E402,F401  (registration)
+from . import baselines, pooch, search  # noqa: E402,F401  (registration)
 
 __all__ = ["PLANNERS", "Candidate", "Evaluator", "Planner", "Problem", "get_planner", "register"]
