@@ -67,6 +67,11 @@ def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
         for x in leaves)
 
 
+def _modes(model: nn.Module) -> tuple[bool, ...]:
+    """Every module's ``training`` flag: ``model.bn.eval()`` alone changes the graphs too."""
+    return tuple(m.training for m in model.modules())
+
+
 def _step_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
     for t in [*model.parameters(), *pytree.tree_leaves((args, kwargs))]:
         if isinstance(t, torch.Tensor):
@@ -110,7 +115,11 @@ class CompiledModule(nn.Module):
                                    "host memory; capture the model without fxpooch, or run fxpooch eagerly")
         if compat.dispatch_mode_active():
             log.warning("a TorchDispatchMode is active: dynamo runs the model eagerly, without fxpooch's plan")
-        key = (self.model.training, _signature(args, kwargs))
+        if not torch.is_grad_enabled():
+            # no_grad / inference_mode (evaluation): no backward, nothing saved, nothing to plan
+            with compat.dynamo_limits():
+                return self._compiled(*args, **kwargs)
+        key = (_modes(self.model), _signature(args, kwargs))
         planned = self._plans.get(key)
         if planned is None:
             if self._plans:
@@ -270,7 +279,7 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner)
     compiled = CompiledModule(model, limit, CompileOptions(planner, profile, hardware, link))
     planned = compiled._plan_for(args, kwargs)
-    compiled._plans[(model.training, _signature(args, kwargs))] = planned
+    compiled._plans[(_modes(model), _signature(args, kwargs))] = planned
     planned.bind()
     compiled._current = planned
     return compiled

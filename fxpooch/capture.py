@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from . import _torch_compat as compat
 
@@ -143,7 +144,11 @@ class Recorder:
         return fw, bw
 
     def _fw_compiler(self, gm: fx.GraphModule, example_inputs: Any):
-        pair = gm.meta[_PAIR_KEY]
+        pair = gm.meta.get(_PAIR_KEY)
+        if pair is None:
+            # grad disabled (no_grad / inference_mode): AOTAutograd compiled an inference graph
+            # without a partition. Nothing is saved for a backward, so there is nothing to plan.
+            return gm
         return _boxed(pair, backward=False)
 
     def _bw_compiler(self, gm: fx.GraphModule, example_inputs: Any):
@@ -174,17 +179,30 @@ class Recorder:
 
 
 @contextlib.contextmanager
-def preserved_state(model: nn.Module) -> Iterator[None]:
-    """Run the block, then put back the model's buffers and every RNG state."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+def preserved_state(model: nn.Module, inputs: Any = ()) -> Iterator[None]:
+    """Run the block, then put back the model's buffers, the tensors in ``inputs`` and every RNG state.
+
+    Buffers go back by module and name as well as by value, so a forward that reassigns one
+    (``self.ema = 0.9 * self.ema + ...``) leaves the original tensor in place. An input is
+    copied back only if the block changed it (``x.add_(1)`` in forward), so the others keep
+    their version counters (autograd may have saved them).
+    """
+    buffers = [(mod, name, b, b.detach().clone())
+               for mod in model.modules() for name, b in mod._buffers.items() if b is not None]
+    leaves = {id(t): t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    saved_inputs = [(t, t._version, t.detach().clone()) for t in leaves.values()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
         yield
     finally:
         with torch.no_grad():
-            for live, saved in buffers:
+            for mod, name, live, saved in buffers:
+                setattr(mod, name, live)
                 live.copy_(saved)
+            for live, version, saved in saved_inputs:
+                if live._version != version:
+                    live.copy_(saved)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
@@ -193,7 +211,7 @@ def preserved_state(model: nn.Module) -> Iterator[None]:
 def capture_step(compiled: Callable[..., Any], recorder: Recorder, model: nn.Module,
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[GraphPair], list[list[Any]]]:
     """Trace one forward of ``compiled`` (side-effect free): its graph pairs in order, and their inputs."""
-    with preserved_state(model), recorder.recording_step() as ran:
+    with preserved_state(model, (args, kwargs)), recorder.recording_step() as ran:
         with torch.enable_grad():
             compiled(*args, **kwargs)
     if not ran:
