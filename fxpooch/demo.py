@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from .errors import UnsupportedModel
 from .api import compile, plan
 from .svg import memory_svg
 from .trace import write_chrome_trace
@@ -46,6 +47,9 @@ def run_demo(fraction: float = 0.5, batch: int = 16, size: int = 64, steps: int 
     With ``out_dir``, the plan's Chrome trace and memory SVG are written there.
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedModel("--device cuda was asked for, but this torch sees no CUDA device "
+                               "(torch.cuda.is_available() is False); run with --device cpu")
     torch.manual_seed(0)
     model = demo_model().to(dev)
     reference = copy.deepcopy(model)

@@ -59,3 +59,37 @@ def test_cuda_limit_above_device_memory_is_rejected():
     model, x = linear()
     with pytest.raises(fxpooch.InvalidMemoryLimit, match="more than"):
         fxpooch.compile(model.cuda(), x.cuda(), "100TiB")
+
+
+def test_module_hooks_are_honoured():
+    model, x = linear()
+    model = nn.Sequential(model, nn.ReLU(), nn.Linear(8, 8))
+    calls = []
+    model[0].register_forward_hook(lambda mod, inputs, out: calls.append("forward") or out * 2)
+    model[2].register_full_backward_hook(lambda mod, gin, gout: calls.append("backward"))
+    import copy
+
+    eager = copy.deepcopy(model)
+    cm = fxpooch.compile(model, x, "1GiB", profile="analytic", hardware="v100-pcie3")
+    calls.clear()
+    cm(x).sum().backward()
+    assert calls == ["forward", "backward"]
+    eager(x).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_double_backward_is_refused():
+    model, x = linear()
+    cm = fxpooch.compile(model, x, "1GiB", profile="analytic", hardware="v100-pcie3")
+    (g,) = torch.autograd.grad(cm(x).sum(), model.weight, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.sum().backward()
+
+
+def test_demo_asks_for_cuda_without_it():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from fxpooch.__main__ import main
+
+    assert main(["demo", "--device", "cuda"]) == 2
