@@ -7,7 +7,8 @@ gradient), which observes the storages the executed ops really create.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from unittest import mock
 
 import torch
@@ -49,3 +50,28 @@ def measured_step_peak(compiled, args: tuple, resident: int) -> int:
         out.backward(grad)
     assert any(r.startswith("forward") for r in ran) and any(r.startswith("backward") for r in ran), ran
     return resident + counter.peak_bytes
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The smallest feasible limit and the in-core peak of a model's step."""
+
+    floor: int
+    in_core: int
+
+    @property
+    def middle(self) -> int:
+        return (self.floor + self.in_core) // 2
+
+
+def find_limits(compile_at: Callable[[object], object]) -> Limits:
+    """``compile_at(limit)`` compiles the model at ``limit`` and returns the compiled module."""
+    import fxpooch
+
+    try:
+        compile_at(1)
+    except fxpooch.InfeasibleMemoryLimit as e:
+        floor = e.min_feasible_bytes
+    else:
+        raise AssertionError("a 1-byte limit was accepted")
+    return Limits(floor, compile_at("1TiB").plan.in_core_peak_bytes)

@@ -3,13 +3,11 @@ peak that an independent storage counter confirms."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 import fxpooch
-from measure import measured_step_peak
+from measure import Limits, find_limits, measured_step_peak
 from zoo import ZOO
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -23,25 +21,12 @@ def compile_zoo(name: str, limit) -> tuple[torch.nn.Module, torch.Tensor, fxpooc
     return model, x, fxpooch.compile(model, x, limit, profile="analytic", hardware="v100-pcie3")
 
 
-@dataclass(frozen=True)
-class Limits:
-    floor: int
-    in_core: int
-
-    @property
-    def middle(self) -> int:
-        return (self.floor + self.in_core) // 2
-
-
 _limits: dict[str, Limits] = {}
 
 
 def limits(name: str) -> Limits:
     if name not in _limits:
-        with pytest.raises(fxpooch.InfeasibleMemoryLimit) as info:
-            compile_zoo(name, 1)
-        _, _, cm = compile_zoo(name, "1TiB")
-        _limits[name] = Limits(info.value.min_feasible_bytes, cm.plan.in_core_peak_bytes)
+        _limits[name] = find_limits(lambda limit: compile_zoo(name, limit)[2])
     return _limits[name]
 
 

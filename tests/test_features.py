@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 
 import fxpooch
 from fxpooch.capture import GraphPair
+from measure import Limits, find_limits
 
 W = 512  # a (1024, 512) fp32 activation is 2 MiB
 B = 1024
@@ -317,16 +318,6 @@ def assert_same_state(model: nn.Module, eager: nn.Module, what: str) -> None:
         assert_same(sd[k], ref[k], f"{what}: state_dict[{k!r}]")
 
 
-@dataclass(frozen=True)
-class Limits:
-    floor: int
-    in_core: int
-
-    @property
-    def middle(self) -> int:
-        return (self.floor + self.in_core) // 2
-
-
 _limits: dict[str, Limits] = {}
 
 
@@ -334,10 +325,7 @@ def limits(name: str) -> Limits:
     if name not in _limits:
         feature = FEATURES[name]
         model, example = feature.build()
-        with pytest.raises(fxpooch.InfeasibleMemoryLimit) as info:
-            _compile(feature, model, _clone(example), 1)
-        in_core = _compile(feature, model, _clone(example), "1TiB").plan.in_core_peak_bytes
-        _limits[name] = Limits(info.value.min_feasible_bytes, in_core)
+        _limits[name] = find_limits(lambda limit: _compile(feature, model, _clone(example), limit))
     return _limits[name]
 
 
