@@ -60,7 +60,7 @@ def local_search(ev: Evaluator, seed: Candidate, options: SearchOptions) -> Cand
 
 
 def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Candidate:
-    seed = plan_pooch(problem)
+    seed = plan_pooch(problem, name="local")
     return local_search(Evaluator(problem), seed, options)
 
 

@@ -1,0 +1,369 @@
+"""Planners on small hand-built step graphs whose timelines can be worked out on paper.
+
+Every graph here is a few "layers": forward ops that each allocate one activation (MiB units),
+backward ops that read activations and the previous backward op's gradient (1 MiB each). The
+costs are round seconds, so each expected step time below is derived by hand in a comment
+(``a-b`` is a busy interval on a stream; FIFO per stream; a prefetch starts at
+max(issue, H2D free, its D2H end)). Figure numbers refer to the PoocH paper.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import pytest
+
+from fxpooch.errors import InfeasibleMemoryLimit
+from fxpooch.graph import Activation, Buffer, BufferKind, Op, Phase, StepGraph
+from fxpooch.planners import PLANNERS, Problem, get_planner
+from fxpooch.planners.baselines import (checkpoint_decisions, previous_convolution, previous_kernel,
+                                        simulate_with_prefetch, superneurons_decisions)
+from fxpooch.planners.common import Evaluator
+from fxpooch.planners.pooch import overhead_sets, step2_swap_to_recompute
+from fxpooch.schedule import Decision, build_schedule
+from fxpooch.simulator import Costs, simulate
+
+MiB = 2**20
+K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
+RELU, RELU_BW = "aten.relu.default", "aten.threshold_backward.default"
+CONV, CONV_BW = "aten.convolution.default", "aten.convolution_backward.default"
+BIG = 2**40  # a limit nothing reaches
+
+
+def _make(cls, **kw):
+    """Construct a graph dataclass, filling fields newer than this test with neutral values."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    defaults = {"recompute_args": kw.get("args", ()), "same_as": tuple(range(len(kw.get("members", ()))))}
+    return cls(**kw, **{k: v for k, v in defaults.items() if k in names and k not in kw})
+
+
+def build(forward: Sequence[tuple], backward: Sequence[tuple], xfer: dict[str, tuple[float, float]] | None = None,
+          grad_mib: int = 1) -> tuple[StepGraph, Costs]:
+    """A one-graph step.
+
+    ``forward``: ``(name, inputs, seconds, MiB[, target])``; input "x" is the resident input.
+    ``backward``: ``(name, reads, seconds[, target[, kernel]])``: each reads the named forward
+    values and the previous backward op's gradient, and allocates a ``grad_mib`` gradient.
+    A forward value that a backward op reads is an activation; ``xfer[name] = (d2h, h2d)``.
+    """
+    xfer = xfer or {}
+    ops: list[Op] = [_make(Op, name="x", target="placeholder", graph=0, phase=Phase.FORWARD, args=(), allocs=(0,),
+                           kernel=False, recomputable=False)]
+    buffers = [Buffer("x", 0, BufferKind.RESIDENT)]
+    buffer_of: list[tuple[int, ...]] = [(0,)]
+    times = [0.0]
+    op_of = {"x": 0}
+    for name, inputs, seconds, mib, *target in forward:
+        buffers.append(Buffer(name, mib * MiB, BufferKind.TEMP))
+        op_of[name] = len(ops)
+        ops.append(_make(Op, name=name, target=(target or [RELU])[0], graph=0, phase=Phase.FORWARD,
+                         args=tuple(op_of[i] for i in inputs), allocs=(len(buffers) - 1,), kernel=True,
+                         recomputable=True))
+        buffer_of.append((len(buffers) - 1,))
+        times.append(float(seconds))
+    fw_stop = len(ops)
+    saved_names = list(dict.fromkeys(r for _, reads, *_ in backward for r in reads))
+    prev = None
+    for name, reads, seconds, *rest in backward:
+        target, kernel = (rest + [RELU_BW, True][len(rest):])[:2]
+        buffers.append(Buffer(name, grad_mib * MiB, BufferKind.TEMP))
+        args = tuple(op_of[r] for r in reads) + ((prev,) if prev is not None else ())
+        ops.append(_make(Op, name=name, target=target, graph=0, phase=Phase.BACKWARD, args=args,
+                         allocs=(len(buffers) - 1,), kernel=kernel, recomputable=True))
+        buffer_of.append((len(buffers) - 1,))
+        times.append(float(seconds))
+        prev = len(ops) - 1
+    acts = []
+    for name in sorted((n for n in saved_names if n != "x"), key=op_of.get):
+        op = op_of[name]
+        nbytes = buffers[buffer_of[op][0]].nbytes
+        acts.append(_make(Activation, name=name, graph=0, buffer=buffer_of[op][0], producer=op, members=(op,),
+                          transfer_bytes=nbytes, member_bytes=(nbytes,), swappable=True))
+    graph = StepGraph(tuple(ops), tuple(buffers), tuple(acts), 0, ((0, fw_stop),), ((fw_stop, len(ops)),),
+                      frozenset([0, *(a.producer for a in acts)]), tuple(buffer_of))
+    d2h = tuple(float(xfer.get(a.name, (0.0, 0.0))[0]) for a in acts)
+    h2d = tuple(float(xfer.get(a.name, (0.0, 0.0))[1]) for a in acts)
+    return graph, Costs(tuple(times), d2h, h2d)
+
+
+def chain(fw: Sequence[float], bw: Sequence[float], mib: Sequence[int], xfer: Sequence[tuple[float, float]],
+          loss: float | None = None, targets: Sequence[str] | None = None) -> tuple[StepGraph, Costs]:
+    """f1..fn, each reading the previous; g_n..g_1 in the backward, g_i reading a_i.
+
+    Op ids: x=0, f_i=i, [loss=n+1], then the backward ops in order. ``bw[0]`` is g_n's time.
+    """
+    n = len(fw)
+    targets = targets or [RELU] * n
+    forward = [(f"a{i + 1}", ["x" if i == 0 else f"a{i}"], fw[i], mib[i], targets[i]) for i in range(n)]
+    if loss is not None:
+        forward.append(("loss", [f"a{n}"], loss, 0))
+    back_target = {RELU: RELU_BW, CONV: CONV_BW}
+    backward = [(f"g{i + 1}", [f"a{i + 1}"], bw[n - 1 - i], back_target[targets[i]]) for i in reversed(range(n))]
+    return build(forward, backward, {f"a{i + 1}": xfer[i] for i in range(n)})
+
+
+def evaluator(graph: StepGraph, costs: Costs, limit: int = BIG) -> Evaluator:
+    return Evaluator(Problem(graph, costs, limit))
+
+
+# --------------------------------------------------------------------------- (a) Fig. 7
+@pytest.mark.parametrize("d2h, d2h_end, l_o, step", [
+    # f1 0-1, offload a1 1-2, f2 1-2, f3 2-3: the copy ends (2) before the forward (3) -> hidden.
+    # Early prefetch with g3 at 3: 3-4; g3 3-4, g2 4-5, g1 5-6 -> 6.0, the in-core time.
+    (1.0, 2.0, [], 6.0),
+    # offload 1-5 ends after the forward (3): a1 is in L_O. The prefetch issued at 3 waits for
+    # the host copy: 5-6; g3 3-4, g2 4-5, g1 stalls 1 s -> 6-7: 7.0.
+    (4.0, 5.0, [0], 7.0),
+])
+def test_swap_out_hidden_by_next_forward_or_not(d2h, d2h_end, l_o, step):
+    graph, costs = chain([1, 1, 1], [1, 1, 1], [1, 1, 1], [(d2h, 1.0), (1, 1), (1, 1)])
+    cand = evaluator(graph, costs).evaluate([S, K, K])
+    tl = cand.timeline
+    assert cand.schedule.prefetch_before[0] == 4  # moved up to the first backward op, g3
+    assert tl.forward_end == 3.0
+    assert tl.d2h_end[0] == d2h_end
+    assert tl.step_time == step
+    assert overhead_sets(graph, tl, cand.decisions)[0] == l_o
+
+
+def test_in_core_time_is_compute_only():
+    graph, costs = chain([1, 1, 1], [1, 1, 1], [1, 1, 1], [(1, 1)] * 3)
+    plan = get_planner("in-core")(Problem(graph, costs, BIG))
+    assert plan.decisions == (K, K, K)
+    # 3 forward + 3 backward ops of 1 s; peak: a1+a2+a3 and g3's gradient = 4 MiB
+    assert plan.step_time == 6.0
+    assert plan.timeline.peak_bytes == 4 * MiB
+
+
+# --------------------------------------------------------------------------- (b) Fig. 10
+def _fig10_single():
+    # f1..f3 2 s each and a 2 s loss: forward ends at 8; a1's offload 2-3 is hidden.
+    return chain([2, 2, 2], [1, 1, 1], [1, 1, 1], [(1.0, 1.5), (1, 1), (1, 1)], loss=2.0)
+
+
+def test_nosched_swap_in_starts_with_previous_layer_and_stalls():
+    graph, costs = _fig10_single()
+    cand = simulate_with_prefetch(evaluator(graph, costs), [S, K, K], previous_kernel)
+    # ops: x0 f1 f2 f3 loss4 | g3=5 g2=6 g1=7. a1's first use is g1; the previous kernel is g2.
+    assert cand.schedule.prefetch_before == (6, -1, -1)
+    # g3 8-9; prefetch issued with g2 at 9: 9-10.5; g2 9-10; g1 stalls 0.5 -> 10.5-11.5
+    assert cand.timeline.stall == {0: 0.5}
+    assert cand.timeline.step_time == 11.5
+
+
+def test_early_prefetch_hides_the_same_swap_in():
+    graph, costs = _fig10_single()
+    cand = evaluator(graph, costs).evaluate([S, K, K])
+    # issued with g3 at 8: 8-9.5, ready before g1 starts at 10 -> 8 + 3 = 11.0 (in-core time)
+    assert cand.schedule.prefetch_before == (5, -1, -1)
+    assert cand.timeline.stall == {}
+    assert cand.timeline.step_time == 11.0
+
+
+def _fig10_all():
+    # g3 is long (3 s), g2 short (0.5 s); a1's swap-in (2 s) fits behind g3 but not behind g2.
+    return chain([2, 2, 2], [3, 0.5, 1], [1, 1, 1], [(2.0, 2.0), (0.5, 0.5), (0.5, 0.5)], loss=2.0)
+
+
+def test_swap_all_nosched_vs_early_prefetch_fig10():
+    graph, costs = _fig10_all()
+    nosched = get_planner("swap-all-nosched")(Problem(graph, costs, BIG))
+    swap_all = get_planner("swap-all")(Problem(graph, costs, BIG))
+    assert nosched.decisions == swap_all.decisions == (S, S, S)
+    # Offloads 2-4, 4-4.5, 6-6.5 end before the forward (8). nosched: a3 has no backward op before
+    # its use, so it is issued at g3 (op 5), as is a2 (g3 precedes g2); a1 with g2 (op 6).
+    assert nosched.schedule.prefetch_before == (6, 5, 5)
+    # a3 8-8.5, a2 8.5-9 (issued together: first-use order); g3 stalls 0.5 -> 8.5-11.5; a1 issued
+    # with g2 at 11.5: 11.5-13.5; g2 11.5-12; g1 stalls 1.5 -> 13.5-14.5.
+    assert nosched.timeline.stall == {2: 0.5, 0: 1.5}
+    assert nosched.timeline.step_time == 14.5
+    # early: all three issued at 8: a3 8-8.5, a2 8.5-9, a1 9-11; g3 8.5-11.5, g2 11.5-12,
+    # g1 12-13 -> 13.0 (in-core: 8 + 4.5 = 12.5)
+    assert swap_all.schedule.prefetch_before == (5, 5, 5)
+    assert swap_all.timeline.step_time == 13.0
+
+
+# --------------------------------------------------------------------------- (c) Fig. 11
+def test_overhead_sets_on_a_swap_all_timeline():
+    # 4 layers of 1 s. Offloads: a1 1-1.5, a2 2-2.5, a3 3-4.5, a4 4.5-6; the forward ends at 4,
+    # so L_O = {a4, a3}. Swap-ins without scheduling (a4, a3 issued at g4; a2 at g3; a1 at g2):
+    # a3 4.5-5 and a4 6-6.5 (each waits for its offload); g4 stalls 2.5 -> 6.5-7.5; g3 7.5-8.5
+    # (a3 ready); a2 7.5-9: g2 stalls 0.5 -> 9-10; a1 9-9.5, ready for g1 10-11. L_I = {a4, a2}.
+    # (Issuing a4 before a3 gives the same: a4 6-6.5, a3 6.5-7, still ready for g3 at 7.5.)
+    graph, costs = chain([1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1],
+                         [(0.5, 0.5), (0.5, 1.5), (1.5, 0.5), (1.5, 0.5)])
+    decisions = [S, S, S, S]
+    cand = simulate_with_prefetch(evaluator(graph, costs), decisions, previous_kernel)
+    tl = cand.timeline
+    assert tl.forward_end == 4.0
+    assert tl.d2h_end == {0: 1.5, 1: 2.5, 2: 4.5, 3: 6.0}
+    assert tl.stall == {3: 2.5, 1: 0.5}
+    assert tl.step_time == 11.0
+    l_o, l_i = overhead_sets(graph, tl, decisions)
+    assert l_o == [3, 2]  # output side first
+    assert l_i == [3, 1]
+    # only swapped activations count
+    assert overhead_sets(graph, tl, [S, S, K, S]) == ([3], [3, 1])
+
+
+# --------------------------------------------------------------------------- (e) r(X)
+@pytest.mark.parametrize("f1_time, start_step, expected, final_step", [
+    # f1 0-0.5, offload a1 0.5-3.5, f2 0.5-2.5, f3 2.5-4.5. Swap: prefetch 4.5-7.5, g3 4.5-5.5,
+    # g2 5.5-6.5, g1 stalls 1 -> 8.5. Keep: 4.5 + 3 = 7.5 -> swap overhead 1.0. Recompute f1 (0.5 s)
+    # before g1: 8.0 -> overhead 0.5, r = 0.5 < 1: recompute.
+    (0.5, 8.5, R, 8.0),
+    # f1 0-4, offload 4-7, forward ends at 8. Swap: prefetch 8-11, g1 stalls 1 -> 12; keep: 11 ->
+    # swap overhead 1.0; recompute: 11 + 4 = 15 -> overhead 4.0, r = 4 >= 1: stays swapped.
+    (4.0, 12.0, S, 12.0),
+])
+def test_r_of_x_recomputes_cheap_and_swaps_expensive(f1_time, start_step, expected, final_step):
+    graph, costs = chain([f1_time, 2, 2], [1, 1, 1], [8, 1, 1], [(3.0, 3.0), (1, 1), (1, 1)])
+    ev = evaluator(graph, costs)
+    start = ev.evaluate([S, K, K])
+    assert start.step_time == start_step
+    best = step2_swap_to_recompute(ev, start)
+    assert best.decisions == (expected, K, K)
+    assert best.step_time == final_step
+
+
+# --------------------------------------------------------------------------- superneurons
+def _convnet():
+    # conv, relu, conv, relu: the convolutions' outputs are swapped, the relus' recomputed.
+    return chain([1, 1, 1, 1], [1, 1, 1, 1], [4, 4, 4, 4], [(0.5, 0.5)] * 4,
+                 targets=[CONV, RELU, CONV, RELU])
+
+
+def test_superneurons_classifies_by_layer_type():
+    graph, costs = _convnet()
+    assert superneurons_decisions(evaluator(graph, costs)) == [S, R, S, R]
+
+
+def test_superneurons_prefetches_with_the_previous_convolution():
+    graph, costs = _convnet()
+    # ops: x0 a1..a4 | g4=5 (relu) g3=6 (conv) g2=7 (relu) g1=8 (conv)
+    assert previous_convolution(graph, 8, 0) == 6  # a1, read by g1: issued with conv g3
+    assert previous_convolution(graph, 6, 0) == 5  # a3: no conv backward before -> backward start
+    assert previous_kernel(graph, 8, 0) == 7
+
+
+@pytest.mark.parametrize("limit_mib, decisions", [
+    (BIG // MiB, (K, K, K, K)),  # in-core fits
+    # in-core peak 4 x 4 + 1 (g4's gradient) = 17 MiB; keeping a4, a3 and a2 from the output side
+    # leaves a1 swapped and fits at 16 MiB
+    (16, (S, K, K, K)),
+])
+def test_superneurons_keeps_from_output_side(limit_mib, decisions):
+    graph, costs = _convnet()
+    plan = get_planner("superneurons")(Problem(graph, costs, limit_mib * MiB))
+    assert plan.decisions == decisions
+    assert plan.timeline.peak_bytes <= limit_mib * MiB
+
+
+def test_superneurons_fails_where_pooch_fits():
+    graph, costs = _convnet()
+    # Its most frugal plan keeps nothing: (S, R, S, R). Forward peak 8 MiB (two 4 MiB maps at a
+    # time). In the backward a3's swap-in (needed to recompute a4) is live through g4, and a1's,
+    # issued with conv g3 whatever the free memory, joins it with g4's and g3's gradients:
+    # 4 + 4 + 1 + 1 = 10 MiB > 8.
+    with pytest.raises(InfeasibleMemoryLimit) as info:
+        get_planner("superneurons")(Problem(graph, costs, 8 * MiB))
+    assert info.value.min_feasible_bytes == 10 * MiB
+    plan = get_planner("pooch")(Problem(graph, costs, 8 * MiB))
+    assert plan.timeline.peak_bytes <= 8 * MiB
+
+
+def test_nosched_skips_kernel_free_backward_ops():
+    graph, _ = build([("a1", ["x"], 1, 1), ("a2", ["a1"], 1, 1)],
+                     [("g2", ["a2"], 1), ("view", [], 0, "aten.view.default", False), ("g1", ["a1"], 1)])
+    # ops: x0 a1 a2 | g2=3 view=4 g1=5
+    assert previous_kernel(graph, 5, 0) == 3
+    assert previous_kernel(graph, 3, 0) == 3  # nothing before the first backward op
+
+
+# --------------------------------------------------------------------------- checkpoint
+@pytest.mark.parametrize("n, kept", [
+    (4, {1, 3}),  # k = ceil(sqrt 4) = 2: keep a2, a4
+    (9, {2, 5, 8}),  # k = 3: keep a3, a6, a9
+    (5, {2, 4}),  # k = 3: keep a3, and the last one, a5
+])
+def test_checkpoint_keeps_every_sqrt_n_th(n, kept):
+    graph, costs = chain([1] * n, [1] * n, [1] * n, [(1, 1)] * n)
+    decisions = checkpoint_decisions(evaluator(graph, costs))
+    assert decisions == [K if a in kept else R for a in range(n)]
+
+
+@pytest.mark.parametrize("limit_mib, decisions, step", [
+    # (R, K, R, K): a2 + a3 + a4 live during f4 = 12 MiB; recomputing f1 and f3: 8 + 2 = 10 s
+    (12, (R, K, R, K), 10.0),
+    # over the limit: checkpoint-all's plan, every chain rerun from x: a4 4 s, a3 3, a2 2, a1 1
+    # -> 8 + 10 = 18 s; its peak, during a3's chain (a1, a2 rebuilt) with g4's gradient, is 9 MiB
+    (10, (R, R, R, R), 18.0),
+    (9, (R, R, R, R), 18.0),
+])
+def test_checkpoint_falls_back_to_checkpoint_all(limit_mib, decisions, step):
+    graph, costs = _convnet()
+    plan = get_planner("checkpoint")(Problem(graph, costs, limit_mib * MiB))
+    assert plan.decisions == decisions
+    assert plan.step_time == step
+
+
+def test_checkpoint_infeasible_below_checkpoint_all():
+    graph, costs = _convnet()
+    with pytest.raises(InfeasibleMemoryLimit) as info:
+        get_planner("checkpoint")(Problem(graph, costs, 9 * MiB - 1))
+    assert info.value.min_feasible_bytes == 9 * MiB
+
+
+# --------------------------------------------------------------------------- (d) every planner
+def _mixed():
+    # five layers of mixed sizes and costs, two of them convolutions
+    return chain([1, 0.5, 2, 0.5, 1], [1, 0.5, 2, 0.5, 1], [4, 2, 6, 2, 4],
+                 [(1, 1), (0.5, 0.5), (2, 2), (0.5, 0.5), (1, 1)], targets=[CONV, RELU, CONV, RELU, RELU])
+
+
+def _in_core_peak() -> int:
+    graph, costs = _mixed()
+    return simulate(graph, build_schedule(graph, [K] * 5), costs).peak_bytes
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+@pytest.mark.parametrize("fraction", [0.05, 0.3, 0.5, 0.7, 0.9, 1.0, 2.0])
+def test_every_planner_fits_or_says_why(planner, fraction):
+    graph, costs = _mixed()
+    limit = int(_in_core_peak() * fraction)
+    try:
+        plan = get_planner(planner)(Problem(graph, costs, limit))
+    except InfeasibleMemoryLimit as e:
+        assert e.min_feasible_bytes > limit
+        assert e.mem_limit == limit
+        return
+    assert plan.fits
+    assert plan.timeline.peak_bytes <= limit
+    assert not math.isnan(plan.step_time) and plan.step_time >= sum(costs.op_time)
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+def test_infeasible_error_names_the_planner(planner):
+    graph, costs = _mixed()
+    with pytest.raises(InfeasibleMemoryLimit) as info:
+        get_planner(planner)(Problem(graph, costs, MiB))  # below every plan's peak
+    assert info.value.planner == planner
+
+
+@pytest.mark.parametrize("planner", sorted(PLANNERS))
+def test_every_planner_plans_an_ample_limit(planner):
+    graph, costs = _mixed()
+    plan = get_planner(planner)(Problem(graph, costs, BIG))
+    assert plan.timeline.peak_bytes <= BIG
+
+
+def test_pooch_fits_wherever_its_floor_does():
+    graph, costs = _mixed()
+    floor = evaluator(graph, costs).floor().timeline.peak_bytes
+    for limit in (floor, floor + MiB, _in_core_peak() - 1):
+        plan = get_planner("pooch")(Problem(graph, costs, limit))
+        assert plan.timeline.peak_bytes <= limit
+    with pytest.raises(InfeasibleMemoryLimit) as info:
+        get_planner("pooch")(Problem(graph, costs, floor - 1))
+    assert info.value.min_feasible_bytes == floor
