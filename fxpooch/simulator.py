@@ -8,6 +8,7 @@ last reader finishes; for an offloaded activation that includes its D2H copy (th
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from .graph import StepGraph
@@ -46,8 +47,24 @@ class Timeline:
     end: tuple[float, ...]
 
 
-def simulate(graph: StepGraph, schedule: Schedule, costs: Costs) -> Timeline:
+def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int | None = None) -> Timeline:
+    """With ``mem_limit``, an allocation that would exceed it waits for pending frees (offloads
+    still copying), as the caching allocator does before it reports out of memory."""
     n_inst = len(schedule.instance_bytes)
+    new_bytes = [0] * len(schedule.instrs)  # device bytes each instruction allocates
+    frees_after: list[list[int]] = [[] for _ in schedule.instrs]  # instances whose last reader it is
+    first_alloc = [-1] * n_inst
+    for i, ins in enumerate(schedule.instrs):
+        for x in ins.allocs:
+            if first_alloc[x] < 0:
+                first_alloc[x] = i
+                new_bytes[i] += schedule.instance_bytes[x]
+    for x, last in enumerate(schedule.last_reader):
+        if first_alloc[x] >= 0 and not schedule.persistent[x] and schedule.instance_bytes[x]:
+            frees_after[last].append(x)
+    pending: list[tuple[float, int]] = []  # heap of (free time, bytes)
+    live = graph.resident_bytes
+    waited_for_memory = 0.0
     start, end, issue = [], [], []
     t = d2h = h2d = 0.0
     forward_end = 0.0
@@ -56,8 +73,19 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs) -> Timeline:
     stall: dict[int, float] = {}
     freed_at = [0.0] * n_inst
     ops = graph.ops
-    for ins in schedule.instrs:
+    for i, ins in enumerate(schedule.instrs):
         kind = ins.kind
+        need = new_bytes[i]
+        if need and kind is not Kind.OFFLOAD:
+            while pending and pending[0][0] <= t:
+                live -= heapq.heappop(pending)[1]
+            while mem_limit is not None and live + need > mem_limit and pending:
+                when, nbytes = heapq.heappop(pending)  # wait for the next copy to release memory
+                if when > t:
+                    waited_for_memory += when - t
+                    t = when
+                live -= nbytes
+            live += need
         if kind is Kind.RUN or kind is Kind.RECOMPUTE:
             s = t
             t = e = t + costs.op_time[ins.op]
@@ -88,6 +116,8 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs) -> Timeline:
         for x in ins.reads:
             if e > freed_at[x]:
                 freed_at[x] = e
+        for x in frees_after[i]:
+            heapq.heappush(pending, (max(freed_at[x], e), schedule.instance_bytes[x]))
 
     # memory events: (time, order, delta); order puts an instruction's allocs before its frees
     timed: list[tuple[float, float, int]] = []

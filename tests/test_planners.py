@@ -360,7 +360,7 @@ def test_every_planner_plans_an_ample_limit(planner):
 
 def test_pooch_fits_wherever_its_floor_does():
     graph, costs = _mixed()
-    floor = evaluator(graph, costs).floor().timeline.peak_bytes
+    floor = evaluator(graph, costs).floor().timeline.static_peak_bytes
     for limit in (floor, floor + MiB, _in_core_peak() - 1):
         plan = get_planner("pooch")(Problem(graph, costs, limit))
         assert plan.timeline.peak_bytes <= limit

@@ -37,8 +37,8 @@ def _fail(ev: Evaluator, planner: str, frugal: Sequence[Candidate | None]) -> In
     options = [c for c in frugal if c is not None]
     if not options:
         return ev.infeasible(planner)
-    best = min(options, key=lambda c: c.timeline.peak_bytes)
-    return InfeasibleMemoryLimit(ev.problem.mem_limit, best.timeline.peak_bytes,
+    best = min(options, key=lambda c: c.timeline.static_peak_bytes)
+    return InfeasibleMemoryLimit(ev.problem.mem_limit, best.timeline.static_peak_bytes,
                                  live_at_peak(ev.graph, best), planner)
 
 
@@ -69,7 +69,7 @@ def simulate_with_prefetch(ev: Evaluator, decisions: Sequence[Decision], rule: P
         if decisions[a] is Decision.SWAP:
             positions[a] = rule(graph, use, graph.activations[a].graph)
     schedule = build_schedule(graph, decisions, positions)
-    timeline = simulate(graph, schedule, ev.problem.costs)
+    timeline = simulate(graph, schedule, ev.problem.costs, ev.problem.mem_limit)
     return Candidate(schedule, timeline, timeline.peak_bytes <= ev.problem.mem_limit)
 
 

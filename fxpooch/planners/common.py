@@ -89,6 +89,7 @@ class Evaluator:
         self.graph = problem.graph
         self.owner = member_owner(problem.graph)
         self._cache: dict[tuple[tuple[Decision, ...], bool], Candidate | None] = {}
+        self._free_time: dict[tuple[Decision, ...], float] = {}
         self.evaluations = 0
 
     @property
@@ -118,8 +119,15 @@ class Evaluator:
         return candidate
 
     def _judge(self, schedule: Schedule) -> Candidate:
-        tl = simulate(self.graph, schedule, self.problem.costs)
+        tl = simulate(self.graph, schedule, self.problem.costs, self.problem.mem_limit)
         return Candidate(schedule, tl, tl.peak_bytes <= self.problem.mem_limit)
+
+    def unconstrained_time(self, decisions: Sequence[Decision]) -> float:
+        """Step time of ``decisions`` if memory never made anything wait (a baseline for overheads)."""
+        key = tuple(decisions)
+        if key not in self._free_time:
+            self._free_time[key] = simulate(self.graph, build_schedule(self.graph, key), self.problem.costs).step_time
+        return self._free_time[key]
 
     def can_recompute(self, a: int, decisions: Sequence[Decision]) -> bool:
         return can_recompute(self.graph, a, decisions, self.owner)
@@ -142,14 +150,19 @@ class Evaluator:
         return tuple(decisions)
 
     def floor(self) -> Candidate:
-        """The most memory-frugal of the reference plans (just-in-time prefetch)."""
+        """The most memory-frugal of the reference plans (just-in-time prefetch).
+
+        Its program-order peak is the smallest feasible limit: under any limit at least that
+        high, allocations wait for offloads still copying instead of exceeding it.
+        """
         options = [self.evaluate(d, early_prefetch=False)
                    for d in (self.all_swap(), self.all_recompute(), self.all_keep())]
-        return min((c for c in options if c is not None), key=lambda c: (c.timeline.peak_bytes, c.step_time))
+        return min((c for c in options if c is not None),
+                   key=lambda c: (c.timeline.static_peak_bytes, c.step_time))
 
     def infeasible(self, planner: str) -> InfeasibleMemoryLimit:
         floor = self.floor()
-        return InfeasibleMemoryLimit(self.problem.mem_limit, floor.timeline.peak_bytes,
+        return InfeasibleMemoryLimit(self.problem.mem_limit, floor.timeline.static_peak_bytes,
                                      live_at_peak(self.graph, floor), planner)
 
 

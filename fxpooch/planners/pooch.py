@@ -106,15 +106,15 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate) -> Candidate:
         for a in pending:
             keep = list(current.decisions)
             keep[a] = Decision.KEEP
-            baseline = ev.evaluate(keep, early_prefetch=False)
+            baseline = ev.unconstrained_time(keep)  # X costs nothing: neither copies nor recompute
             rec = list(current.decisions)
             rec[a] = Decision.RECOMPUTE
             candidate = ev.evaluate(rec)
-            swap_overhead = current.step_time - baseline.step_time
+            swap_overhead = current.step_time - baseline
             if candidate is None or not candidate.fits or swap_overhead <= 0:
                 ratios[a] = math.inf
             else:
-                ratios[a] = (candidate.step_time - baseline.step_time) / swap_overhead
+                ratios[a] = max(candidate.step_time - baseline, 0.0) / swap_overhead
         pending = [a for a in pending if ratios[a] < 1.0]
         if not pending:
             break
