@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ class PoochOptions:
     max_exhaustive: int = 10
     #: run step 2 (swap -> recompute); False gives the paper's "swap-opt"
     recompute: bool = True
+    #: wall-clock seconds for each of the two search steps; past it the best plan so far is kept
+    #: (the exhaustive part of step 1 is exponential in |L_I|)
+    step_budget: float = 20.0
     #: when swap-all does not fit: activations smaller than this fraction of the limit are
     #: tried as one group before the one-by-one pass (each pass step costs a simulation)
     small_fraction: float = 1e-3
@@ -61,10 +65,14 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     scan = [a for a in l_o if a not in set(l_i)]
     log.debug("L_O=%d L_I=%d scan=%d", len(l_o), len(l_i), len(scan))
 
+    deadline = time.perf_counter() + options.step_budget
+
     def leaf(decisions: list[Decision]) -> Candidate | None:
         best = None
         trial = decisions.copy()
         for k in range(len(scan) + 1):
+            if k and time.perf_counter() > deadline:
+                break
             if k:
                 trial[scan[k - 1]] = Decision.KEEP
             c = ev.evaluate(trial)
@@ -78,6 +86,9 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     base = list(start.decisions)
     if len(l_i) <= options.max_exhaustive:
         for bits in itertools.product((Decision.SWAP, Decision.KEEP), repeat=len(l_i)):
+            if time.perf_counter() > deadline:
+                log.info("step 1 stopped at its time budget (%.0f s)", options.step_budget)
+                break
             d = base.copy()
             for a, choice in zip(l_i, bits):
                 d[a] = choice
@@ -87,6 +98,8 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     else:  # greedy over L_I, largest stall first
         d = base.copy()
         for a in sorted(l_i, key=lambda a: -tl.stall[a]):
+            if time.perf_counter() > deadline:
+                break
             d[a] = Decision.KEEP
             c = leaf(d)
             if _better(c, best):
@@ -98,10 +111,11 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     return best
 
 
-def step2_swap_to_recompute(ev: Evaluator, start: Candidate) -> Candidate:
+def step2_swap_to_recompute(ev: Evaluator, start: Candidate, budget: float = math.inf) -> Candidate:
     current = start
     pending = [a for a, d in enumerate(current.decisions) if d is Decision.SWAP]
-    while pending:
+    deadline = time.perf_counter() + budget
+    while pending and time.perf_counter() < deadline:
         ratios: dict[int, float] = {}
         for a in pending:
             keep = list(current.decisions)
@@ -171,7 +185,7 @@ def plan_pooch(problem: Problem, options: PoochOptions = PoochOptions(), name: s
         start = keep_from_output_side(ev, require_fit(ev, ev.floor(), name), options)
     best = step1_keep_or_swap(ev, start, options)
     if options.recompute:
-        best = step2_swap_to_recompute(ev, best)
+        best = step2_swap_to_recompute(ev, best, options.step_budget)
     log.info("%s: %d evaluations, step %.3g s (swap-all %.3g s)", name, ev.evaluations, best.step_time,
              start.step_time)
     return best
