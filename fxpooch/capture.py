@@ -215,12 +215,12 @@ def capture_step(compiled: Callable[..., Any], recorder: Recorder, model: nn.Mod
         with torch.enable_grad():
             compiled(*args, **kwargs)
     if not ran:
-        raise compat_error_no_graph()
+        raise _no_graph_error()
     inputs, recorder.args = recorder.args, []
     return list(ran), inputs
 
 
-def compat_error_no_graph() -> Exception:
+def _no_graph_error() -> Exception:
     from .errors import UnsupportedModel
 
     return UnsupportedModel(

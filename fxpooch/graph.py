@@ -83,13 +83,6 @@ class StepGraph:
     saved: frozenset[int]
     buffer_of: tuple[tuple[int, ...], ...] = field(repr=False)  # op id -> buffers its value spans
 
-    def users(self) -> list[list[int]]:
-        users: list[list[int]] = [[] for _ in self.ops]
-        for i, op in enumerate(self.ops):
-            for a in op.args:
-                users[a].append(i)
-        return users
-
     def backward_readers(self, act: Activation) -> list[int]:
         """Backward ops (program order) that read one of ``act``'s members."""
         return self._backward_readers[act.buffer]
@@ -116,12 +109,6 @@ class StepGraph:
     def buffer_graph(self) -> dict[int, int]:
         """Graph index of the op that allocates each allocated buffer."""
         return {b: op.graph for op in self.ops for b in op.allocs}
-
-    def forward_readers(self, act: Activation) -> list[int]:
-        members = set(act.members)
-        start, stop = self.forward_range[act.graph]
-        return [i for i in range(start, stop) if i not in members and any(
-            act.buffer in self.buffer_of[a] for a in self.ops[i].args)]
 
 
 @dataclass

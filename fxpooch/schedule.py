@@ -10,7 +10,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .graph import Activation, BufferKind, Phase, StepGraph
+from .graph import BufferKind, Phase, StepGraph
 
 
 class Decision(str, enum.Enum):
@@ -221,7 +221,3 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         instance_bytes=tuple(inst_bytes), instance_buffer=tuple(inst_buf), persistent=tuple(persistent),
         last_reader=tuple(last), chains=chains, first_use=first_use,
     )
-
-
-def describe(graph: StepGraph, act: Activation) -> str:
-    return f"{act.name} (graph {act.graph})"
