@@ -126,7 +126,9 @@ class Evaluator:
         """Step time of ``decisions`` if memory never made anything wait (a baseline for overheads)."""
         key = tuple(decisions)
         if key not in self._free_time:
-            self._free_time[key] = simulate(self.graph, build_schedule(self.graph, key), self.problem.costs).step_time
+            early = place_prefetches(self.graph, key, budget=1 << 62)  # every swap-in at once: least waiting
+            schedule = build_schedule(self.graph, key, early)
+            self._free_time[key] = simulate(self.graph, schedule, self.problem.costs).step_time
         return self._free_time[key]
 
     def can_recompute(self, a: int, decisions: Sequence[Decision]) -> bool:
