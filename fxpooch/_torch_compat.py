@@ -129,3 +129,20 @@ def empty_host_cache() -> None:
     empty = getattr(torch._C, "_host_emptyCache", None)
     if empty is not None:
         empty()
+
+
+# -- pytree, op and dispatcher helpers (private modules of torch) ------------------------
+from torch._ops import OpOverload  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map  # noqa: E402,F401
+
+
+def has_composite_implicit_kernel(op: OpOverload) -> bool:
+    """Whether ``op`` decomposes (CompositeImplicitAutograd) into other ops."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+
+
+def outside_fake_mode():
+    """Context manager that leaves an ambient FakeTensorMode (if any)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from . import _torch_compat as compat
 from .debug import dump_graphs
@@ -61,7 +60,7 @@ def _split_example(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]
 
 
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple:
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+    leaves, spec = compat.tree_flatten((args, kwargs))
     return (str(spec),) + tuple(
         (tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor) else repr(x)
         for x in leaves)
@@ -73,7 +72,7 @@ def _modes(model: nn.Module) -> tuple[bool, ...]:
 
 
 def _step_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
-    for t in [*model.parameters(), *pytree.tree_leaves((args, kwargs))]:
+    for t in [*model.parameters(), *compat.tree_leaves((args, kwargs))]:
         if isinstance(t, torch.Tensor):
             return t.device
     return torch.device("cpu")
@@ -169,7 +168,7 @@ def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple,
         pairs, pair_inputs = capture_step(compiled, recorder, model, args, kwargs)
     resident = memory.resident_bytes(
         [*model.parameters(), *model.buffers(),
-         *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))])
+         *(t for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))])
     graph, table = build_step_graph(pairs, memory, resident)
     profile = _resolve_profile(options, graph, table, pair_inputs, device)
     del pair_inputs
@@ -239,7 +238,7 @@ def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, plan
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModel("the model has no parameters that require grad: there is no training step "
                                "to plan (use torch.no_grad() inference instead)")
-    devices = {t.device for t in [*model.parameters(), *pytree.tree_leaves((args, kwargs))]
+    devices = {t.device for t in [*model.parameters(), *compat.tree_leaves((args, kwargs))]
                if isinstance(t, torch.Tensor)}
     if len(devices) > 1:
         raise UnsupportedModel(f"the model and its example input are on different devices ({sorted(map(str, devices))});"

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from . import _torch_compat as compat
 
@@ -189,7 +188,7 @@ def preserved_state(model: nn.Module, inputs: Any = ()) -> Iterator[None]:
     """
     buffers = [(mod, name, b, b.detach().clone())
                for mod in model.modules() for name, b in mod._buffers.items() if b is not None]
-    leaves = {id(t): t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
+    leaves = {id(t): t for t in compat.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     saved_inputs = [(t, t._version, t.detach().clone()) for t in leaves.values()]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None

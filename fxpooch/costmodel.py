@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from .hardware import Hardware
+from . import _torch_compat as compat
+from ._torch_compat import OpOverload, tree_leaves, tree_map
 
 __all__ = ["is_kernel_free", "node_flops", "node_bytes", "analytic_time", "tensor_nbytes"]
 
@@ -69,7 +70,7 @@ def is_kernel_free(node: fx.Node) -> bool:
     if node.op in _STRUCTURAL_OPS or node.op != "call_function":
         return True  # call_module / call_method do not occur in aten-level graphs
     target = node.target
-    if target is operator.getitem or not isinstance(target, torch._ops.OpOverload):
+    if target is operator.getitem or not isinstance(target, OpOverload):
         return True
     return _schema_is_view(target._schema)
 
@@ -128,7 +129,7 @@ def _arg_value(arg: fx.Node) -> Any:
     return tree_map(_to_meta, arg.meta["val"])
 
 
-def _may_have_flops(op: torch._ops.OpOverload) -> bool:
+def _may_have_flops(op: OpOverload) -> bool:
     """Whether FlopCounterMode could count anything for ``op``.
 
     It counts ops with a registered formula, and decomposes CompositeImplicitAutograd ops into
@@ -136,19 +137,12 @@ def _may_have_flops(op: torch._ops.OpOverload) -> bool:
     """
     if op.overloadpacket in flop_registry:
         return True
-    return torch._C._dispatch_has_kernel_for_dispatch_key(
-        op.name(), torch._C.DispatchKey.CompositeImplicitAutograd)
+    return compat.has_composite_implicit_kernel(op)
 
 
 def _without_fake_mode():
     """Context manager that leaves an ambient FakeTensorMode (if any) while replaying on meta."""
-    try:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-    except ImportError:  # pragma: no cover - very old torch
-        import contextlib
-
-        return contextlib.nullcontext()
-    return unset_fake_temporarily()
+    return compat.outside_fake_mode()
 
 
 # --------------------------------------------------------------------------- public API
@@ -184,7 +178,7 @@ def node_bytes(node: fx.Node) -> int:
         return 0
     read = sum(_val_bytes(arg) for arg in node.all_input_nodes)
     written = _val_bytes(node)
-    if written == 0 and isinstance(node.target, torch._ops.OpOverload):
+    if written == 0 and isinstance(node.target, OpOverload):
         written = sum(_val_bytes(arg) for arg in _mutated_args(node))
     return read + written
 

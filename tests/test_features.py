@@ -117,14 +117,8 @@ class BufferCounter(nn.Module):
         return self.c(torch.tanh(self.b(h))) * (1 + self.ema)
 
 
-class BufferReassigned(nn.Module):
+class BufferReassigned(BufferCounter):
     """The same, written as attribute reassignment (``self.ema = ...``), the other common spelling."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.c = (nn.Linear(W, W) for _ in range(3))
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-        self.register_buffer("ema", torch.zeros(W))
 
     def forward(self, x):
         h = torch.relu(self.a(x))
