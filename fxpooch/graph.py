@@ -106,6 +106,29 @@ class StepGraph:
                      for op in self.ops)
 
     @functools.cached_property
+    def read_buffers(self) -> tuple[tuple[int, ...], ...]:
+        """Per op: the non-resident buffers its arguments span, first seen first."""
+        return tuple(self._spanned(op.args) for op in self.ops)
+
+    @functools.cached_property
+    def recompute_read_buffers(self) -> tuple[tuple[int, ...], ...]:
+        """Per op: the non-resident buffers its recomputation reads."""
+        return tuple(self._spanned(op.recompute_args) for op in self.ops)
+
+    def _spanned(self, op_ids: Sequence[int]) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(b for x in op_ids for b in self.buffer_of[x]
+                                   if self.buffers[b].kind is not BufferKind.RESIDENT))
+
+    @functools.cached_property
+    def tangent_buffers(self) -> tuple[tuple[int, ...], ...]:
+        """Per graph index: its backward's incoming-gradient buffers."""
+        out: list[list[int]] = [[] for _ in self.backward_range]
+        for b, g in self.buffer_graph.items():
+            if self.buffers[b].kind is BufferKind.TANGENT:
+                out[g].append(b)
+        return tuple(tuple(sorted(b)) for b in out)
+
+    @functools.cached_property
     def buffer_graph(self) -> dict[int, int]:
         """Graph index of the op that allocates each allocated buffer."""
         return {b: op.graph for op in self.ops for b in op.allocs}

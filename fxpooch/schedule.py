@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .graph import BufferKind, Phase, StepGraph
 
@@ -27,12 +28,7 @@ class Kind(str, enum.Enum):
     RECOMPUTE = "recompute"  # a forward op run again in the backward, for one activation
 
 
-# An instance is one device copy of a buffer: (buffer, tag), tag = ORIGINAL, ("in", act) or ("re", act).
-ORIGINAL = 0
-
-
-@dataclass(frozen=True)
-class Instr:
+class Instr(NamedTuple):
     kind: Kind
     op: int = -1  # RUN / RECOMPUTE
     act: int = -1  # OFFLOAD / PREFETCH / WAIT / RECOMPUTE
@@ -97,13 +93,17 @@ def can_recompute(graph: StepGraph, a: int, decisions: Sequence[Decision], owner
 
 def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
                    prefetch_before: Sequence[int] | None = None) -> Schedule:
-    """Lay out the step for ``decisions``; prefetches default to just before their first use."""
+    """Lay out the step for ``decisions``; prefetches default to just before their first use.
+
+    Instance ids: buffer ``b``'s original copy is instance ``b``; swapped-in and recomputed
+    copies are numbered after the buffers.
+    """
     decisions = tuple(decisions)
     acts = graph.activations
+    ops = graph.ops
     owner = member_owner(graph)
     chains = {a: recompute_chain(graph, a, decisions, owner)
               for a, d in enumerate(decisions) if d is Decision.RECOMPUTE}
-    chain_allocs = {a: {b for o in ops for b in graph.ops[o].allocs} for a, ops in chains.items()}
 
     # first backward op that needs each swapped / recomputed activation
     first_use: dict[int, int] = {}
@@ -112,10 +112,10 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
             readers = graph.backward_readers(act)
             if readers:
                 first_use[a] = readers[0]
-    for b, ops in chains.items():
+    for b, chain in chains.items():
         if b not in first_use:
             continue
-        for a in {owner[x] for o in ops for x in graph.ops[o].recompute_args if x in owner} - {b}:
+        for a in {owner[x] for o in chain for x in ops[o].recompute_args if x in owner} - {b}:
             if decisions[a] is Decision.SWAP and a in first_use:
                 first_use[a] = min(first_use[a], first_use[b])
     prefetch = [-1] * len(acts)
@@ -124,52 +124,26 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
             chosen = prefetch_before[a] if prefetch_before is not None else -1
             prefetch[a] = chosen if 0 <= chosen <= use else use
 
-    # instances
-    inst_ids: dict[tuple[int, object], int] = {}
-    inst_bytes: list[int] = []
-    inst_buf: list[int] = []
-    persistent: list[bool] = []
+    # instances: original copies first (id = buffer id), then swapped-in and recomputed copies
+    buffers = graph.buffers
+    inst_bytes = [b.nbytes for b in buffers]
+    inst_buf = list(range(len(buffers)))
+    persistent = [b.kind is BufferKind.OUTPUT for b in buffers]
 
-    def inst(buf: int, tag: object, nbytes: int | None = None) -> int:
-        key = (buf, tag)
-        if key not in inst_ids:
-            inst_ids[key] = len(inst_bytes)
-            b = graph.buffers[buf]
-            inst_bytes.append(b.nbytes if nbytes is None else nbytes)
-            inst_buf.append(buf)
-            persistent.append(b.kind is BufferKind.OUTPUT and tag == ORIGINAL)
-        return inst_ids[key]
+    def copy_of(buf: int, nbytes: int) -> int:
+        inst_bytes.append(nbytes)
+        inst_buf.append(buf)
+        persistent.append(False)
+        return len(inst_bytes) - 1
 
-    act_of_buffer = {act.buffer: a for a, act in enumerate(acts)}
+    view = list(range(len(buffers)))  # per buffer: the instance a backward reader sees
+    for a, d in enumerate(decisions):
+        if d is Decision.SWAP:
+            view[acts[a].buffer] = copy_of(acts[a].buffer, acts[a].transfer_bytes)
+        elif d is Decision.RECOMPUTE:
+            view[acts[a].buffer] = copy_of(acts[a].buffer, buffers[acts[a].buffer].nbytes)
 
-    def view(buf: int, chain_of: int | None) -> int | None:
-        """The instance a backward reader sees for ``buf``; None for resident storage."""
-        if graph.buffers[buf].kind is BufferKind.RESIDENT:
-            return None
-        if chain_of is not None and buf in chain_allocs[chain_of]:
-            return inst(buf, ("re", chain_of))
-        a = act_of_buffer.get(buf)
-        if a is None or decisions[a] is Decision.KEEP:
-            return inst(buf, ORIGINAL)
-        if decisions[a] is Decision.SWAP:
-            return inst(buf, ("in", a), acts[a].transfer_bytes)
-        return inst(buf, ("re", a))
-
-    def reads_of(op_id: int, chain_of: int | None = None, backward: bool = True) -> tuple[int, ...]:
-        out: dict[int, None] = {}
-        op = graph.ops[op_id]
-        for x in (op.recompute_args if chain_of is not None else op.args):
-            for buf in graph.buffer_of[x]:
-                i = view(buf, chain_of) if backward else (
-                    None if graph.buffers[buf].kind is BufferKind.RESIDENT else inst(buf, ORIGINAL))
-                if i is not None:
-                    out[i] = None
-        return tuple(out)
-
-    def allocs_of(op_id: int, tag: object = ORIGINAL) -> tuple[int, ...]:
-        return tuple(inst(b, tag) for b in graph.dynamic_allocs[op_id])
-
-    tangent_graph = graph.buffer_graph
+    reads, allocs = graph.read_buffers, graph.dynamic_allocs
     instrs: list[Instr] = []
     offload_after: dict[int, list[int]] = {}
     for a, act in enumerate(acts):
@@ -186,36 +160,45 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         if b in first_use:
             recompute_at.setdefault(first_use[b], []).append(b)
 
-    for op_id, op in enumerate(graph.ops):
-        if op.phase is Phase.FORWARD:
-            instrs.append(Instr(Kind.RUN, op=op_id, allocs=allocs_of(op_id), reads=reads_of(op_id, backward=False)))
-            for a in offload_after.get(op_id, ()):
-                instrs.append(Instr(Kind.OFFLOAD, act=a, reads=(inst(acts[a].buffer, ORIGINAL),)))
-            continue
-        for a in prefetch_at.get(op_id, ()):
-            instrs.append(Instr(Kind.PREFETCH, act=a, allocs=(view(acts[a].buffer, None),)))
-        for a in wait_at.get(op_id, ()):
-            instrs.append(Instr(Kind.WAIT, act=a))
-        for b in recompute_at.get(op_id, ()):
-            for o in chains[b]:
-                instrs.append(Instr(Kind.RECOMPUTE, op=o, act=b, allocs=allocs_of(o, ("re", b)),
-                                    reads=reads_of(o, chain_of=b)))
-        instrs.append(Instr(Kind.RUN, op=op_id, allocs=allocs_of(op_id), reads=reads_of(op_id)))
+    last: list[int] = [-1] * len(inst_bytes)  # per instance: its last reader (its allocator if unread)
 
-    last = [-1] * len(inst_bytes)
-    graph_end: dict[int, int] = {}  # backward graph -> its last instruction
-    for i, ins in enumerate(instrs):
-        for x in ins.allocs:
+    def emit(kind: Kind, op: int, act: int, new: tuple[int, ...], read: tuple[int, ...]) -> None:
+        i = len(instrs)
+        instrs.append(make_instr(Instr, (kind, op, act, new, read)))
+        for x in new:
             if last[x] < 0:
                 last[x] = i
-        for x in ins.reads:
+        for x in read:
             last[x] = i
-        if ins.kind is Kind.RUN and graph.ops[ins.op].phase is Phase.BACKWARD:
-            graph_end[graph.ops[ins.op].graph] = i
-    for x, buf in enumerate(inst_buf):
+
+    def recompute_instrs(b: int) -> None:
+        """The chain's own buffers are fresh copies tagged with ``b``; other reads see ``view``."""
+        own = {buf: view[buf] if buf == acts[b].buffer else copy_of(buf, buffers[buf].nbytes)
+               for o in chains[b] for buf in allocs[o]}
+        last.extend([-1] * (len(inst_bytes) - len(last)))
+        for o in chains[b]:
+            emit(Kind.RECOMPUTE, o, b, tuple(own[buf] for buf in allocs[o]),
+                 tuple(own.get(buf, view[buf]) for buf in graph.recompute_read_buffers[o]))
+
+    make_instr = tuple.__new__  # Instr without its keyword-default wrapper: this loop is the hot path
+    for start, stop in graph.forward_range:
+        for op_id in range(start, stop):
+            emit(Kind.RUN, op_id, -1, allocs[op_id], reads[op_id])
+            for a in offload_after.get(op_id, ()):
+                emit(Kind.OFFLOAD, -1, a, (), (acts[a].buffer,))
+    for g in reversed(range(len(graph.backward_range))):
+        for op_id in range(*graph.backward_range[g]):
+            for a in prefetch_at.get(op_id, ()):
+                emit(Kind.PREFETCH, -1, a, (view[acts[a].buffer],), ())
+            for a in wait_at.get(op_id, ()):
+                emit(Kind.WAIT, -1, a, (), ())
+            for b in recompute_at.get(op_id, ()):
+                recompute_instrs(b)
+            emit(Kind.RUN, op_id, -1, allocs[op_id], tuple([view[buf] for buf in reads[op_id]]))
         # autograd holds the incoming gradients for the whole backward call
-        if graph.buffers[buf].kind is BufferKind.TANGENT:
-            last[x] = graph_end[tangent_graph[buf]]
+        for buf in graph.tangent_buffers[g]:
+            if last[buf] >= 0:
+                last[buf] = len(instrs) - 1
     return Schedule(
         decisions=decisions, prefetch_before=tuple(prefetch), instrs=tuple(instrs),
         instance_bytes=tuple(inst_bytes), instance_buffer=tuple(inst_buf), persistent=tuple(persistent),

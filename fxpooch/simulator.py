@@ -12,7 +12,7 @@ import heapq
 from dataclasses import dataclass
 
 from .graph import StepGraph
-from .schedule import Kind, Schedule
+from .schedule import Decision, Kind, Schedule
 
 
 @dataclass(frozen=True)
@@ -50,58 +50,56 @@ class Timeline:
 def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int | None = None) -> Timeline:
     """With ``mem_limit``, an allocation that would exceed it waits for pending frees (offloads
     still copying), as the caching allocator does before it reports out of memory."""
-    n_inst = len(schedule.instance_bytes)
-    new_bytes = [0] * len(schedule.instrs)  # device bytes each instruction allocates
-    frees_after: list[list[int]] = [[] for _ in schedule.instrs]  # instances whose last reader it is
-    first_alloc = [-1] * n_inst
-    for i, ins in enumerate(schedule.instrs):
-        for x in ins.allocs:
-            if first_alloc[x] < 0:
-                first_alloc[x] = i
-                new_bytes[i] += schedule.instance_bytes[x]
-    for x, last in enumerate(schedule.last_reader):
-        if first_alloc[x] >= 0 and not schedule.persistent[x] and schedule.instance_bytes[x]:
-            frees_after[last].append(x)
+    instrs = schedule.instrs
+    inst_bytes = schedule.instance_bytes
+    alloc_at = _first_allocs(schedule)
+    new_bytes = [0] * len(instrs)  # device bytes each instruction allocates
+    frees_after: dict[int, list[int]] = {}  # instruction -> instances whose last reader it is
+    for x, a in enumerate(alloc_at):
+        if a >= 0 and inst_bytes[x]:
+            new_bytes[a] += inst_bytes[x]
+            if not schedule.persistent[x]:
+                frees_after.setdefault(schedule.last_reader[x], []).append(x)
+    # the forward's instructions come first: its ops, each followed by its offloads
+    forward_last = sum(stop - start for start, stop in graph.forward_range) - 1 + sum(
+        d is Decision.SWAP for d in schedule.decisions)
+    while forward_last >= 0 and instrs[forward_last].kind is not Kind.RUN:
+        forward_last -= 1
+    RUN, RECOMPUTE, OFFLOAD, PREFETCH = Kind.RUN, Kind.RECOMPUTE, Kind.OFFLOAD, Kind.PREFETCH
+    op_time, d2h_time, h2d_time = costs.op_time, costs.d2h_time, costs.h2d_time
     pending: list[tuple[float, int]] = []  # heap of (free time, bytes)
     live = graph.resident_bytes
-    waited_for_memory = 0.0
     start, end, issue = [], [], []
     t = d2h = h2d = 0.0
-    forward_end = 0.0
     d2h_end: dict[int, float] = {}
     h2d_end: dict[int, float] = {}
+    copied_until: dict[int, float] = {}  # offloaded instance -> its D2H end (it is read until then)
     stall: dict[int, float] = {}
-    freed_at = [0.0] * n_inst
-    ops = graph.ops
-    for i, ins in enumerate(schedule.instrs):
+    free_time = [0.0] * len(inst_bytes)
+    for i, ins in enumerate(instrs):
         kind = ins.kind
         need = new_bytes[i]
-        if need and kind is not Kind.OFFLOAD:
+        if need and kind is not OFFLOAD:
             while pending and pending[0][0] <= t:
                 live -= heapq.heappop(pending)[1]
             while mem_limit is not None and live + need > mem_limit and pending:
                 when, nbytes = heapq.heappop(pending)  # wait for the next copy to release memory
                 if when > t:
-                    waited_for_memory += when - t
                     t = when
                 live -= nbytes
             live += need
-        if kind is Kind.RUN or kind is Kind.RECOMPUTE:
+        issue.append(t)
+        if kind is RUN or kind is RECOMPUTE:
             s = t
-            t = e = t + costs.op_time[ins.op]
-            if kind is Kind.RUN and ops[ins.op].phase.value == "forward":
-                forward_end = t
-            issued = s
-        elif kind is Kind.OFFLOAD:
-            s = max(d2h, t)
-            d2h = e = s + costs.d2h_time[ins.act]
-            d2h_end[ins.act] = e
-            issued = t
-        elif kind is Kind.PREFETCH:
+            t = e = t + op_time[ins.op]
+        elif kind is OFFLOAD:
+            s = d2h if d2h > t else t
+            d2h = e = s + d2h_time[ins.act]
+            d2h_end[ins.act] = copied_until[ins.reads[0]] = e
+        elif kind is PREFETCH:
             s = max(h2d, t, d2h_end.get(ins.act, 0.0))
-            h2d = e = s + costs.h2d_time[ins.act]
+            h2d = e = s + h2d_time[ins.act]
             h2d_end[ins.act] = e
-            issued = t
         else:  # WAIT
             s = t
             ready = h2d_end.get(ins.act, t)
@@ -109,61 +107,51 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
                 stall[ins.act] = ready - t
                 t = ready
             e = t
-            issued = s
         start.append(s)
         end.append(e)
-        issue.append(issued)
-        for x in ins.reads:
-            if e > freed_at[x]:
-                freed_at[x] = e
-        for x in frees_after[i]:
-            heapq.heappush(pending, (max(freed_at[x], e), schedule.instance_bytes[x]))
+        # compute-stream ends never decrease, so an instance is free once its last reader ends,
+        # or its offload does if that is later
+        for x in frees_after.get(i, ()):
+            when = free_time[x] = max(e, copied_until.get(x, 0.0))
+            heapq.heappush(pending, (when, inst_bytes[x]))
 
     # memory events: (time, order, delta); order puts an instruction's allocs before its frees
     timed: list[tuple[float, float, int]] = []
-    static: list[tuple[float, int]] = []
-    alloc_at = [-1] * n_inst
-    for i, ins in enumerate(schedule.instrs):
-        for x in ins.allocs:
-            if alloc_at[x] < 0:
-                alloc_at[x] = i
-    for x, nbytes in enumerate(schedule.instance_bytes):
-        a = alloc_at[x]
-        if a < 0 or nbytes == 0:
+    for x, a in enumerate(alloc_at):
+        if a < 0 or inst_bytes[x] == 0:
             continue
-        timed.append((issue[a], a, nbytes))
-        static.append((a, nbytes))
+        timed.append((issue[a], a, inst_bytes[x]))
         if not schedule.persistent[x]:
-            last = schedule.last_reader[x]
-            timed.append((max(freed_at[x], end[last]), last + 0.5, -nbytes))
-            static.append((last + 0.5, -nbytes))
+            timed.append((free_time[x], schedule.last_reader[x] + 0.5, -inst_bytes[x]))
     timed.sort()
-    static.sort()
-    base = graph.resident_bytes
-    cur = peak = base
+    cur = peak = graph.resident_bytes
     memory = []
     for when, _, delta in timed:
         cur += delta
         memory.append((when, cur))
-        peak = max(peak, cur)
-    cur = static_peak = base
-    for _, delta in static:
-        cur += delta
-        static_peak = max(static_peak, cur)
-    step_time = max(t, d2h, h2d)
-    return Timeline(step_time, peak, static_peak, forward_end, d2h_end, h2d_end, stall,
+        if cur > peak:
+            peak = cur
+    static_peak = graph.resident_bytes + max(static_memory(schedule), default=0)
+    forward_end = end[forward_last] if forward_last >= 0 else 0.0
+    return Timeline(max(t, d2h, h2d), peak, static_peak, forward_end, d2h_end, h2d_end, stall,
                     tuple(memory), tuple(start), tuple(end))
+
+
+def _first_allocs(schedule: Schedule) -> list[int]:
+    """Per instance: the instruction that allocates it, -1 if none does."""
+    alloc_at = [-1] * len(schedule.instance_bytes)
+    for i, ins in enumerate(schedule.instrs):
+        for x in ins.allocs:
+            if alloc_at[x] < 0:
+                alloc_at[x] = i
+    return alloc_at
 
 
 def static_memory(schedule: Schedule) -> list[int]:
     """Device bytes live during each instruction (resident excluded), copies instantaneous."""
     n = len(schedule.instrs)
     delta = [0] * (n + 1)
-    alloc_at = [-1] * len(schedule.instance_bytes)
-    for i, ins in enumerate(schedule.instrs):
-        for x in ins.allocs:
-            if alloc_at[x] < 0:
-                alloc_at[x] = i
+    alloc_at = _first_allocs(schedule)
     for x, nbytes in enumerate(schedule.instance_bytes):
         a = alloc_at[x]
         if a < 0 or nbytes == 0:

@@ -38,13 +38,13 @@ class Candidate:
         return self.timeline.step_time
 
 
-def place_prefetches(graph: StepGraph, decisions: Sequence[Decision], budget: int) -> list[int]:
+def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
     """Section 4.3: issue each swap-in as early as memory allows (FIFO on the H2D stream).
 
-    ``budget`` is the device bytes available beyond resident ones. Works on the program-order
-    memory curve of the just-in-time schedule, raising it as each prefetch moves earlier.
+    ``jit`` is the just-in-time schedule of the decisions; ``budget`` the device bytes available
+    beyond resident ones. Works on the program-order memory curve of ``jit``, raising it as each
+    prefetch moves earlier.
     """
-    jit = build_schedule(graph, decisions)
     mem = np.asarray(static_memory(jit), dtype=np.int64)
     group_start: dict[int, int] = {}  # backward op -> first instruction of its group
     pending_group = None
@@ -109,25 +109,27 @@ class Evaluator:
         except NotRecomputable:
             return None
         self.evaluations += 1
-        candidate = self._judge(jit)
         if early and any(d is Decision.SWAP for d in decisions):
-            positions = place_prefetches(self.graph, decisions, self.budget)
+            positions = place_prefetches(self.graph, jit, self.budget)
             if positions != list(jit.prefetch_before):
                 early_c = self._judge(build_schedule(self.graph, decisions, positions))
-                if early_c.fits or not candidate.fits:
-                    candidate = early_c
-        return candidate
+                if early_c.fits:
+                    return early_c
+                jit_c = self._judge(jit)
+                return jit_c if jit_c.fits else early_c
+        return self._judge(jit)
 
     def _judge(self, schedule: Schedule) -> Candidate:
         tl = simulate(self.graph, schedule, self.problem.costs, self.problem.mem_limit)
         return Candidate(schedule, tl, tl.peak_bytes <= self.problem.mem_limit)
 
     def unconstrained_time(self, decisions: Sequence[Decision]) -> float:
-        """Step time of ``decisions`` if memory never made anything wait (a baseline for overheads)."""
+        """Step time of ``decisions`` if memory never made anything wait (a baseline for overheads):
+        every swap-in issued when its backward starts, no limit."""
         key = tuple(decisions)
         if key not in self._free_time:
-            early = place_prefetches(self.graph, key, budget=1 << 62)  # every swap-in at once: least waiting
-            schedule = build_schedule(self.graph, key, early)
+            starts = [self.graph.backward_range[act.graph][0] for act in self.graph.activations]
+            schedule = build_schedule(self.graph, key, starts)
             self._free_time[key] = simulate(self.graph, schedule, self.problem.costs).step_time
         return self._free_time[key]
 

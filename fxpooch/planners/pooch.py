@@ -3,11 +3,13 @@
 Step 1 starts from swap-all, reads the simulated timeline for L_O (swap-outs that end after
 the forward) and L_I (swap-ins the compute stream waits for), keeps L_O greedily from the
 output side and searches L_I exhaustively (greedily beyond ``PoochOptions.max_exhaustive``),
-with a linear scan of L_O \\ L_I at each leaf. Step 2 turns swaps into recomputes while
-r(X) = recompute_overhead / swap_overhead < 1, smallest r first.
+keeping at each leaf the longest prefix of L_O \\ L_I that fits (a binary search). Step 2
+turns swaps into recomputes while r(X) = recompute_overhead / swap_overhead < 1, smallest r
+first.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -68,18 +70,32 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     deadline = time.perf_counter() + options.step_budget
 
     def leaf(decisions: list[Decision]) -> Candidate | None:
+        """Best of keeping the first k of ``scan`` as well, over the k that fit.
+
+        Keeping more only needs more memory, so the fitting k form a prefix: a binary search
+        finds its end, judging every fitting k it probes.
+        """
         best = None
-        trial = decisions.copy()
-        for k in range(len(scan) + 1):
-            if k and time.perf_counter() > deadline:
-                break
-            if k:
-                trial[scan[k - 1]] = Decision.KEEP
+
+        def fits_with(k: int) -> bool:
+            nonlocal best
+            trial = decisions.copy()
+            for a in scan[:k]:
+                trial[a] = Decision.KEEP
             c = ev.evaluate(trial)
-            if c is None or not c.fits:
-                break  # keeping more only needs more memory
             if _better(c, best):
                 best = c
+            return c is not None and c.fits
+
+        if not fits_with(0):
+            return None
+        lo, hi = 0, len(scan)  # k = lo fits; find the largest that does
+        while lo < hi and time.perf_counter() < deadline:
+            mid = (lo + hi + 1) // 2
+            if fits_with(mid):
+                lo = mid
+            else:
+                hi = mid - 1
         return best
 
     best = start
@@ -95,48 +111,64 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
             c = leaf(d)
             if _better(c, best):
                 best = c
-    else:  # greedy over L_I, largest stall first
-        d = base.copy()
+    else:  # greedy over L_I, largest stall first; L_O \\ L_I scanned once at the end
         for a in sorted(l_i, key=lambda a: -tl.stall[a]):
             if time.perf_counter() > deadline:
                 break
+            d = list(best.decisions)
             d[a] = Decision.KEEP
-            c = leaf(d)
+            c = ev.evaluate(d)
             if _better(c, best):
                 best = c
-            else:
-                d[a] = Decision.SWAP
         c = leaf(list(best.decisions))
         best = c if _better(c, best) else best
     return best
 
 
 def step2_swap_to_recompute(ev: Evaluator, start: Candidate, budget: float = math.inf) -> Candidate:
+    """Convert swaps to recomputes while r(X) < 1, smallest r(X) first.
+
+    r(X) is re-evaluated against the current plan only for the activation at the head of a
+    priority queue of earlier ratios (lazy greedy): it is converted when its fresh ratio still
+    heads the queue, dropped when it reaches 1, and queued again otherwise. A conversion rarely
+    lowers another activation's ratio, and the full re-evaluation of every ratio after each
+    conversion costs two simulations per swapped activation.
+    """
     current = start
-    pending = [a for a, d in enumerate(current.decisions) if d is Decision.SWAP]
     deadline = time.perf_counter() + budget
-    while pending and time.perf_counter() < deadline:
-        ratios: dict[int, float] = {}
-        for a in pending:
-            keep = list(current.decisions)
-            keep[a] = Decision.KEEP
-            baseline = ev.unconstrained_time(keep)  # X costs nothing: neither copies nor recompute
-            rec = list(current.decisions)
-            rec[a] = Decision.RECOMPUTE
-            candidate = ev.evaluate(rec)
-            swap_overhead = current.step_time - baseline
-            if candidate is None or not candidate.fits or swap_overhead <= 0:
-                ratios[a] = math.inf
-            else:
-                ratios[a] = max(candidate.step_time - baseline, 0.0) / swap_overhead
-        pending = [a for a in pending if ratios[a] < 1.0]
-        if not pending:
-            break
-        best = min(pending, key=ratios.__getitem__)
-        pending.remove(best)
+
+    def ratio(a: int) -> float:
+        keep = list(current.decisions)
+        keep[a] = Decision.KEEP
+        baseline = ev.unconstrained_time(keep)  # X costs nothing: neither copies nor recompute
         rec = list(current.decisions)
-        rec[best] = Decision.RECOMPUTE
+        rec[a] = Decision.RECOMPUTE
+        candidate = ev.evaluate(rec)
+        swap_overhead = current.step_time - baseline
+        if candidate is None or not candidate.fits or swap_overhead <= 0:
+            return math.inf
+        return max(candidate.step_time - baseline, 0.0) / swap_overhead
+
+    queue = []
+    for a, d in enumerate(current.decisions):
+        if d is Decision.SWAP and time.perf_counter() < deadline:
+            queue.append((ratio(a), a))
+    queue = [(r, a) for r, a in queue if r < 1.0]
+    heapq.heapify(queue)
+    conversions = 0
+    while queue and time.perf_counter() < deadline:
+        _, a = heapq.heappop(queue)
+        fresh = ratio(a)
+        if fresh >= 1.0:
+            continue
+        if queue and fresh > queue[0][0]:
+            heapq.heappush(queue, (fresh, a))
+            continue
+        rec = list(current.decisions)
+        rec[a] = Decision.RECOMPUTE
         current = ev.evaluate(rec)
+        conversions += 1
+    log.debug("step 2: %d swaps turned into recomputes", conversions)
     return current
 
 
