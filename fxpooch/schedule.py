@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -204,3 +205,38 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         instance_bytes=tuple(inst_bytes), instance_buffer=tuple(inst_buf), persistent=tuple(persistent),
         last_reader=tuple(last), chains=chains, first_use=first_use,
     )
+
+
+def move_prefetches(schedule: Schedule, prefetch_before: Sequence[int]) -> Schedule:
+    """``schedule`` with each swap-in issued before ``prefetch_before[a]`` instead (not later
+    than its first use): what :func:`build_schedule` lays out for those positions, without
+    laying out the rest of the step again."""
+    old = schedule.prefetch_before
+    first_use = schedule.first_use
+    target = [p if 0 <= p <= first_use.get(a, -1) else old[a] for a, p in enumerate(prefetch_before)]
+    target = [t if old[a] >= 0 else -1 for a, t in enumerate(target)]
+    at: dict[int, list[int]] = {}
+    for a in sorted((a for a, t in enumerate(target) if t >= 0), key=lambda a: first_use[a]):
+        at.setdefault(target[a], []).append(a)
+    instrs = schedule.instrs
+    prefetch_index = {ins.act: i for i, ins in enumerate(instrs) if ins.kind is Kind.PREFETCH}
+    new_index = [0] * len(instrs)
+    out: list[Instr] = []
+    group: list[int] = []  # a backward op's waits, recomputes and run (a forward op's run; an offload)
+    for i, ins in enumerate(instrs):
+        if ins.kind is not Kind.PREFETCH:
+            group.append(i)
+        if ins.kind is not Kind.RUN and ins.kind is not Kind.OFFLOAD:
+            continue
+        for a in at.get(ins.op, ()) if ins.kind is Kind.RUN else ():
+            new_index[prefetch_index[a]] = len(out)
+            out.append(instrs[prefetch_index[a]])
+        for j in group:
+            new_index[j] = len(out)
+            out.append(instrs[j])
+        group = []
+    for j in group:  # a step whose forward has no backward after it ends on its offloads
+        new_index[j] = len(out)
+        out.append(instrs[j])
+    return dataclasses.replace(schedule, prefetch_before=tuple(target), instrs=tuple(out),
+                               last_reader=tuple(new_index[i] if i >= 0 else -1 for i in schedule.last_reader))

@@ -367,3 +367,30 @@ def test_pooch_fits_wherever_its_floor_does():
     with pytest.raises(InfeasibleMemoryLimit) as info:
         get_planner("pooch")(Problem(graph, costs, floor - 1))
     assert info.value.min_feasible_bytes == floor
+
+
+# --------------------------------------------------------------------------- moved prefetches
+def test_moving_prefetches_lays_out_what_building_does():
+    """``move_prefetches`` (the evaluator's shortcut) equals a fresh ``build_schedule`` for every
+    decision vector and every admissible position, including a swap of the forward's last value
+    (its offload is the forward's last instruction)."""
+    import itertools
+
+    from fxpooch.schedule import NotRecomputable, move_prefetches
+
+    graph, _ = chain([1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [(0.5, 0.5)] * 4)
+    backward = range(*graph.backward_range[0])
+    checked = 0
+    for decisions in itertools.product((K, S, R), repeat=len(graph.activations)):
+        try:
+            jit = build_schedule(graph, decisions)
+        except NotRecomputable:
+            continue
+        swapped = [a for a, d in enumerate(decisions) if d is S]
+        for chosen in itertools.product(backward, repeat=len(swapped)):
+            positions = list(jit.prefetch_before)
+            for a, p in zip(swapped, chosen):
+                positions[a] = p
+            assert move_prefetches(jit, positions) == build_schedule(graph, decisions, positions)
+            checked += 1
+    assert checked > 1000

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from ..errors import InfeasibleMemoryLimit
 from ..graph import StepGraph
-from ..schedule import Decision, NotRecomputable, build_schedule
+from ..schedule import Decision, NotRecomputable, build_schedule, move_prefetches
 from ..simulator import simulate
 from . import register
 from .common import Candidate, Evaluator, Problem, live_at_peak
@@ -68,7 +68,7 @@ def simulate_with_prefetch(ev: Evaluator, decisions: Sequence[Decision], rule: P
     for a, use in jit.first_use.items():
         if decisions[a] is Decision.SWAP:
             positions[a] = rule(graph, use, graph.activations[a].graph)
-    schedule = build_schedule(graph, decisions, positions)
+    schedule = move_prefetches(jit, positions)
     timeline = simulate(graph, schedule, ev.problem.costs, ev.problem.mem_limit)
     return Candidate(schedule, timeline, timeline.peak_bytes <= ev.problem.mem_limit)
 

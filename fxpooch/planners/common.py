@@ -10,7 +10,8 @@ import numpy as np
 
 from ..errors import InfeasibleMemoryLimit
 from ..graph import Phase, StepGraph
-from ..schedule import Decision, Kind, NotRecomputable, Schedule, build_schedule, can_recompute, member_owner
+from ..schedule import (Decision, Kind, NotRecomputable, Schedule, build_schedule, can_recompute, member_owner,
+                        move_prefetches)
 from ..simulator import Costs, Timeline, simulate, static_memory
 
 log = logging.getLogger("fxpooch.planner")
@@ -112,7 +113,7 @@ class Evaluator:
         if early and any(d is Decision.SWAP for d in decisions):
             positions = place_prefetches(self.graph, jit, self.budget)
             if positions != list(jit.prefetch_before):
-                early_c = self._judge(build_schedule(self.graph, decisions, positions))
+                early_c = self._judge(move_prefetches(jit, positions))
                 if early_c.fits:
                     return early_c
                 jit_c = self._judge(jit)

@@ -32,8 +32,9 @@ class PoochOptions:
     max_exhaustive: int = 10
     #: run step 2 (swap -> recompute); False gives the paper's "swap-opt"
     recompute: bool = True
-    #: wall-clock seconds for each of the two search steps; past it the best plan so far is kept
-    #: (the exhaustive part of step 1 is exponential in |L_I|)
+    #: CPU seconds (this process's, so other load on the machine does not change the plan) for
+    #: each of the two search steps; past it the best plan so far is kept (the exhaustive part
+    #: of step 1 is exponential in |L_I|)
     step_budget: float = 20.0
     #: when swap-all does not fit: activations smaller than this fraction of the limit are
     #: tried as one group before the one-by-one pass (each pass step costs a simulation)
@@ -67,7 +68,7 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     scan = [a for a in l_o if a not in set(l_i)]
     log.debug("L_O=%d L_I=%d scan=%d", len(l_o), len(l_i), len(scan))
 
-    deadline = time.perf_counter() + options.step_budget
+    deadline = time.process_time() + options.step_budget
 
     def leaf(decisions: list[Decision]) -> Candidate | None:
         """Best of keeping the first k of ``scan`` as well, over the k that fit.
@@ -90,7 +91,7 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
         if not fits_with(0):
             return None
         lo, hi = 0, len(scan)  # k = lo fits; find the largest that does
-        while lo < hi and time.perf_counter() < deadline:
+        while lo < hi and time.process_time() < deadline:
             mid = (lo + hi + 1) // 2
             if fits_with(mid):
                 lo = mid
@@ -102,8 +103,8 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     base = list(start.decisions)
     if len(l_i) <= options.max_exhaustive:
         for bits in itertools.product((Decision.SWAP, Decision.KEEP), repeat=len(l_i)):
-            if time.perf_counter() > deadline:
-                log.info("step 1 stopped at its time budget (%.0f s)", options.step_budget)
+            if time.process_time() > deadline:
+                log.info("step 1 stopped at its time budget (%.0f CPU s)", options.step_budget)
                 break
             d = base.copy()
             for a, choice in zip(l_i, bits):
@@ -113,7 +114,7 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
                 best = c
     else:  # greedy over L_I, largest stall first; L_O \\ L_I scanned once at the end
         for a in sorted(l_i, key=lambda a: -tl.stall[a]):
-            if time.perf_counter() > deadline:
+            if time.process_time() > deadline:
                 break
             d = list(best.decisions)
             d[a] = Decision.KEEP
@@ -135,7 +136,7 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate, budget: float = mat
     conversion costs two simulations per swapped activation.
     """
     current = start
-    deadline = time.perf_counter() + budget
+    deadline = time.process_time() + budget
 
     def ratio(a: int) -> float:
         keep = list(current.decisions)
@@ -151,12 +152,12 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate, budget: float = mat
 
     queue = []
     for a, d in enumerate(current.decisions):
-        if d is Decision.SWAP and time.perf_counter() < deadline:
+        if d is Decision.SWAP and time.process_time() < deadline:
             queue.append((ratio(a), a))
     queue = [(r, a) for r, a in queue if r < 1.0]
     heapq.heapify(queue)
     conversions = 0
-    while queue and time.perf_counter() < deadline:
+    while queue and time.process_time() < deadline:
         _, a = heapq.heappop(queue)
         fresh = ratio(a)
         if fresh >= 1.0:
