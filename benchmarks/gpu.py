@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 import fxpooch
 from fxpooch import _torch_compat as compat
-from fxpooch import runtime
+from fxpooch.memory import Margin
 from fxpooch.units import format_bytes, parse_bytes
 
 log = logging.getLogger("fxpooch.bench.gpu")
@@ -52,6 +52,7 @@ SLOWDOWN_TARGET = {"resnet50": 1.15, "gpt2": 1.05}  # pooch step time / in-core 
 TIME_TOL, PEAK_TOL = 0.10, 0.05  # |pred - meas| / meas; meas <= pred <= (1 + PEAK_TOL) * meas
 MODEL_DTYPES = {"resnet50": ("fp32", "bf16"), "gpt2": ("fp32",)}
 FIT_BATCHES = {"resnet50": (8, 16), "gpt2": (1, 2)}  # in-core peak measured here, then extrapolated
+CUDA_MARGIN = Margin.default_for("cuda")  # what compile keeps free on the GPU; --dry-run plans on meta with it
 NO_CUDA = "benchmarks/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); use --dry-run to plan on meta"
 
 
@@ -124,10 +125,10 @@ def autocast(dtype: str) -> contextlib.AbstractContextManager:
 
 # -- measuring ----------------------------------------------------------------------------------
 def clean() -> None:
-    """Free everything the previous method left: pool blocks, cached device and pinned memory."""
+    """Free everything the previous method left (a compiled module's pinned pool dies with it):
+    cached device and pinned memory."""
     gc.collect()
     torch.cuda.synchronize()
-    runtime.POOL = runtime.HostPool()  # earlier plans' pinned blocks (other sizes) are not reused
     torch.cuda.empty_cache()
     compat.empty_host_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -252,14 +253,20 @@ class Run:
 
     def fxpooch(self, cfg: Config, planner: str, model: WithLoss, inputs: tuple, row: dict[str, Any]) -> dict:
         t0 = time.perf_counter()
-        with autocast(cfg.dtype):  # captured and profiled without the cap: that needs in-core memory
+        clean()
+        # captured and profiled under the cap too: capture holds no activations, the profile is per node
+        with memory_cap(cfg.limit), autocast(cfg.dtype):
             cm = fxpooch.compile(model, inputs, cfg.limit, planner=planner, profile=self.profiles.get(cfg, "measure"))
+            row["compile_peak"] = torch.cuda.max_memory_allocated()
         plan = cm.plan
         self.profiles.setdefault(cfg, plan.profile)
         row.update(plan_s=time.perf_counter() - t0, pred_s=plan.step_time, pred_peak=plan.peak_bytes,
                    pred_static_peak=plan.static_peak_bytes, pred_in_core_s=plan.in_core_time,
-                   pred_in_core_peak=plan.in_core_peak_bytes, counts=plan.counts(), resident=plan.graph.resident_bytes)
-        return self.steps(cm, model, inputs, cfg, cfg.limit)
+                   pred_in_core_peak=plan.in_core_peak_bytes, counts=plan.counts(), resident=plan.graph.resident_bytes,
+                   margin=plan.margin_bytes, profile=plan.profile.source, host_bytes=plan.host_bytes,
+                   link=plan.profile.link.to_json())
+        out = self.steps(cm, model, inputs, cfg, cfg.limit)
+        return {**out, "host_pool": cm.host_pool_bytes}
 
     def compile_budget(self, cfg: Config, model: WithLoss, inputs: tuple, row: dict[str, Any]) -> dict:
         """torch.compile (inductor) with activation_memory_budget bisected until its measured peak
@@ -335,7 +342,7 @@ def dry_run(args: argparse.Namespace) -> int:
         net, inputs = build(cfg.model, cfg.batch, "meta", args.gpt_layers)
         floor = 0
         try:
-            fxpooch.plan(net, inputs, 1, hardware=args.hardware)
+            fxpooch.plan(net, inputs, 1, hardware=args.hardware, margin=CUDA_MARGIN)
         except fxpooch.InfeasibleMemoryLimit as e:
             floor = e.min_feasible_bytes
         in_core = in_core_peak(cfg.model, cfg.dtype, args.gpt_layers, args.hardware)(cfg.batch)
@@ -344,7 +351,7 @@ def dry_run(args: argparse.Namespace) -> int:
         planned = []
         for planner in planners if args.dry_run_plan else []:
             try:
-                p = fxpooch.plan(net, inputs, cfg.limit, planner=planner, hardware=args.hardware)
+                p = fxpooch.plan(net, inputs, cfg.limit, planner=planner, hardware=args.hardware, margin=CUDA_MARGIN)
                 planned.append(f"{planner}: {format_bytes(p.peak_bytes)}, {p.step_time / p.in_core_time:.2f}x")
             except fxpooch.InfeasibleMemoryLimit as e:
                 planned.append(f"{planner}: infeasible (floor {format_bytes(e.min_feasible_bytes)})")

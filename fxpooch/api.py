@@ -14,13 +14,14 @@ import torch.nn as nn
 from . import _torch_compat as compat
 from .debug import dump_graphs
 from .capture import GraphPair, Recorder, capture_step
-from .errors import InvalidMemoryLimit, InvalidProfile, UnsupportedModel
+from .errors import InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidProfile, UnsupportedModel
 from .graph import NodeTable, StepGraph, build_step_graph
 from .hardware import Hardware, Link, get_hardware
-from .memory import MemoryModel
+from .memory import Margin, MemoryModel
 from .plan import Plan, activation_meta, activation_names
 from .planners import Problem, get_planner
-from .profile import Profile, analytic_profile, measure_profile
+from .profile import Profile, ProfileOptions, analytic_profile, measure_link, measure_profile
+from .runtime import HostPool, using_pool
 from .schedule import build_schedule
 from .simulator import simulate
 from .units import parse_bytes
@@ -30,13 +31,34 @@ log = logging.getLogger("fxpooch.compile")
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """How to profile and plan. ``profile``: "measure" (CUDA events / CPU timer), "analytic"
-    (roofline of ``hardware``), a :class:`Profile`, or a path to a saved one."""
+    """How to profile, plan and run.
+
+    ``profile``: "measure" (CUDA events / CPU timer), "analytic" (roofline of ``hardware``), a
+    :class:`Profile`, or a path to a saved one. ``profile_mode`` (when measuring): "in-situ",
+    "per-node", or "auto" (in situ when the in-core step fits under the limit, else each node
+    alone). ``margin``: device memory kept out of the plan for the allocator's fragmentation, a
+    :class:`~fxpooch.memory.Margin`, bytes, or None: 5% of the limit on CUDA, 0 on CPU and meta.
+    ``host_pool_limit``: bytes the pinned pool of host copies may hold (None: unbounded);
+    exceeding it raises :class:`~fxpooch.errors.HostPoolExhausted`.
+    """
 
     planner: str = "pooch"
     profile: str | Profile | os.PathLike = "measure"
     hardware: str | Hardware | None = None  # analytic costs and the default link
     link: Link | None = None  # overrides the hardware's link
+    profile_mode: str = "auto"
+    margin: Margin | int | str | None = None
+    host_pool_limit: int | str | None = None
+
+    def __post_init__(self) -> None:
+        ProfileOptions(self.profile_mode)  # fail fast on an unknown mode
+
+    def margin_for(self, device: torch.device) -> Margin:
+        if self.margin is None:
+            return Margin.default_for(device)
+        if isinstance(self.margin, Margin):
+            return self.margin
+        return Margin(nbytes=parse_bytes(self.margin))
 
 
 _entries = itertools.count()
@@ -90,6 +112,8 @@ class CompiledModule(nn.Module):
         self._compiled = _compile_entry(model, self._recorder)
         self._plans: dict[tuple, _Planned] = {}
         self._current: _Planned | None = None
+        limit = options.host_pool_limit
+        self.host_pool = HostPool(limit_bytes=None if limit is None else parse_bytes(limit))
 
     # -- public inspection -----------------------------------------------------------------
     @property
@@ -97,6 +121,11 @@ class CompiledModule(nn.Module):
         if self._current is None:
             raise RuntimeError("no plan yet: call the compiled module once")
         return self._current.plan
+
+    @property
+    def host_pool_bytes(self) -> int:
+        """Bytes of host (pinned on CUDA) memory this module's pool holds for swapped activations."""
+        return self.host_pool.total_bytes
 
     @property
     def forward_graphs(self) -> list[torch.fx.GraphModule]:
@@ -128,7 +157,7 @@ class CompiledModule(nn.Module):
         if planned is not self._current:
             planned.bind()
             self._current = planned
-        with compat.dynamo_limits():
+        with using_pool(self.host_pool), compat.dynamo_limits():
             return self._compiled(*args, **kwargs)
 
     def _plan_for(self, args: tuple, kwargs: dict) -> _Planned:
@@ -136,7 +165,7 @@ class CompiledModule(nn.Module):
 
 
 def _resolve_profile(options: CompileOptions, graph: StepGraph, table: NodeTable, inputs: list,
-                     device: torch.device) -> Profile:
+                     device: torch.device, budget: int) -> Profile:
     hardware = options.hardware
     if isinstance(hardware, str):
         hardware = get_hardware(hardware)
@@ -152,7 +181,7 @@ def _resolve_profile(options: CompileOptions, graph: StepGraph, table: NodeTable
         link = options.link or (hardware.link if hardware else None)
         if link is None:
             link = measure_link(device) if device.type == "cuda" else get_hardware("cpu").link
-        profile = measure_profile(graph, table, inputs, link)
+        profile = measure_profile(graph, table, inputs, link, ProfileOptions(options.profile_mode), budget)
     else:
         raise InvalidProfile(
             f"profile={options.profile!r}: pass 'measure', 'analytic', a Profile or the path of a saved profile")
@@ -170,18 +199,26 @@ def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple,
         [*model.parameters(), *model.buffers(),
          *(t for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))])
     graph, table = build_step_graph(pairs, memory, resident)
-    profile = _resolve_profile(options, graph, table, pair_inputs, device)
+    margin = options.margin_for(device)
+    reserve = margin.of(mem_limit)
+    profile = _resolve_profile(options, graph, table, pair_inputs, device, mem_limit - reserve)
     del pair_inputs
     costs = profile.costs(graph)
     name = options.planner
-    candidate = get_planner(name)(Problem(graph, costs, mem_limit))
+    try:
+        candidate = get_planner(name)(Problem(graph, costs, mem_limit - reserve))
+    except InfeasibleMemoryLimit as e:
+        if not reserve:
+            raise
+        raise InfeasibleMemoryLimit(mem_limit, margin.limit_for(e.min_feasible_bytes), e.live, e.planner,
+                                    margin_bytes=reserve) from None
     in_core = simulate(graph, build_schedule(graph, [d.KEEP for d in candidate.decisions]), costs)
     plan = Plan(
         planner=name, mem_limit=mem_limit, peak_bytes=candidate.timeline.peak_bytes,
         step_time=candidate.step_time, in_core_time=in_core.step_time, in_core_peak_bytes=in_core.peak_bytes,
         decisions={n: d.value for n, d in zip(activation_names(graph), candidate.decisions)},
         graph=graph, schedule=candidate.schedule, timeline=candidate.timeline, profile=profile,
-        activation_meta=activation_meta(graph, table),
+        activation_meta=activation_meta(graph, table), margin_bytes=reserve,
     )
     log.info("planned with %s: peak %d bytes (limit %d), %s", name, plan.peak_bytes, mem_limit, plan.counts())
     return _Planned(plan, graph, table, pairs)
@@ -206,27 +243,6 @@ class _Planned:
             set_boxed_codegen(rewritten.forward)
             set_boxed_codegen(rewritten.backward)
             pair.bind(rewritten.forward, rewritten.backward)
-
-
-def measure_link(device: torch.device, nbytes: int = 64 * 2**20) -> Link:
-    """Pinned host<->device bandwidth (the slower direction) and small-copy latency."""
-    import time
-
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def timed(dst: torch.Tensor, src: torch.Tensor, n: int) -> float:
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(device)
-        return (time.perf_counter() - t0) / n
-
-    timed(dev, host, 2)
-    bw = nbytes / max(timed(dev, host, 5), timed(host, dev, 5))
-    latency = timed(dev[:512], host[:512], 20)
-    return Link("measured", bw, latency)
 
 
 def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, planner: str):
@@ -254,29 +270,35 @@ def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, plan
 
 def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "pooch",
          profile: str | Profile | os.PathLike = "analytic", hardware: str | Hardware | None = None,
-         link: Link | None = None) -> Plan:
+         link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None) -> Plan:
     """Plan without running anything: works on a model and inputs on the ``meta`` device.
 
     On meta tensors, bytes are counted as CUDA's allocator would and times come from the
     analytic model of ``hardware``. Nothing is rewritten; the model's state is untouched.
+    The other arguments are as in :func:`compile` (see :class:`CompileOptions`).
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner)
     recorder = Recorder()
     compiled = _compile_entry(model, recorder)
     return _make_plan(compiled, recorder, model, args, kwargs, limit,
-                      CompileOptions(planner, profile, hardware, link)).plan
+                      CompileOptions(planner, profile, hardware, link, profile_mode, margin)).plan
 
 
 def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "pooch",
             profile: str | Profile | os.PathLike = "measure", hardware: str | Hardware | None = None,
-            link: Link | None = None) -> CompiledModule:
+            link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None,
+            host_pool_limit: int | str | None = None) -> CompiledModule:
     """Plan ``model``'s training step to fit ``mem_limit`` and return a module that runs that plan.
 
-    The model runs once here to trace it (its buffers and the RNG state are put back). The
-    returned module's backward puts gradients on ``model``'s parameters.
+    The model's forward runs once here to trace it, without holding its activations (its
+    buffers and the RNG state are put back); a measured profile times each node in situ if the
+    in-core step fits, else each node alone. The returned module's backward puts gradients on
+    ``model``'s parameters. ``profile_mode``, ``margin`` and ``host_pool_limit``: see
+    :class:`CompileOptions`.
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner)
-    compiled = CompiledModule(model, limit, CompileOptions(planner, profile, hardware, link))
+    options = CompileOptions(planner, profile, hardware, link, profile_mode, margin, host_pool_limit)
+    compiled = CompiledModule(model, limit, options)
     planned = compiled._plan_for(args, kwargs)
     compiled._plans[(_modes(model), _signature(args, kwargs))] = planned
     planned.bind()

@@ -4,6 +4,11 @@ Dynamo splits the model into graphs (at graph breaks); AOTAutograd turns each in
 and a backward GraphModule through :func:`partition`, which records them as a
 :class:`GraphPair`. Each pair executes through a late-bound callable, so the planned (rewritten)
 graphs replace the captured ones without retracing.
+
+Capture only needs the forward to run (AOTAutograd's partition gives the backward), so while a
+step is being captured each forward runs through :class:`FrugalForward`: values die after their
+last use and every saved activation is handed to autograd as a zero-byte stand-in. Capture's
+peak is then about the largest few live values of the forward, not the in-core step's.
 """
 from __future__ import annotations
 
@@ -35,7 +40,9 @@ class GraphPair:
     #: what actually runs; replaced by the rewritten modules once a plan is bound
     run_forward: fx.GraphModule = field(init=False)
     run_backward: fx.GraphModule = field(init=False)
-    on_run: Callable[[GraphPair, list[Any]], None] | None = field(default=None, repr=False)
+    #: called before each forward; may return a boxed callable that runs this forward instead
+    on_run: Callable[[GraphPair, list[Any]], Callable[[list[Any]], Any] | None] | None = field(
+        default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.bind(_boxed_copy(self.forward), _boxed_copy(self.backward))
@@ -45,9 +52,8 @@ class GraphPair:
         self.run_forward, self.run_backward = forward, backward
 
     def call_forward(self, args: list[Any]) -> Any:
-        if self.on_run is not None:
-            self.on_run(self, args)
-        return self.run_forward(args)
+        runner = self.on_run(self, args) if self.on_run is not None else None
+        return (runner or self.run_forward)(args)
 
     def call_backward(self, args: list[Any]) -> Any:
         return self.run_backward(args)
@@ -70,6 +76,47 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
     out = new.graph_copy(graph, {})
     new.output(out)
     return new
+
+
+class FrugalForward(fx.Interpreter):
+    """Runs a pair's forward for capture without holding its saved activations.
+
+    Each value is freed after its last use; a saved output that the forward allocated is
+    replaced, once its last forward reader has run, by ``torch.empty(()).expand(shape)`` of its
+    dtype and device (zero bytes). AOTAutograd's runtime wrapper only requires saved outputs to be
+    tensors (it detaches views and stores them on the autograd context); the backward of a
+    capture step never runs. User outputs, mutated inputs and saved inputs stay real.
+    """
+
+    def __init__(self, pair: GraphPair):
+        super().__init__(pair.forward, garbage_collect_values=True)
+        outs = pair.forward.graph.output_node().args[0]
+        real = {n for n in outs[:pair.num_user_outputs] if isinstance(n, fx.Node)}
+        self.stand_in = {n for n in pair.saved_nodes if n not in real and n.op != "placeholder"
+                         and isinstance(n.meta.get("val"), torch.Tensor)}
+        # the node after which each stand-in's real value is no longer needed
+        order = {n: i for i, n in enumerate(pair.forward.graph.nodes)}
+        self.release_after: dict[fx.Node, list[fx.Node]] = {}
+        for n in self.stand_in:
+            readers = [u for u in n.users if u.op != "output"]
+            last = max(readers, key=order.__getitem__) if readers else n
+            self.release_after.setdefault(last, []).append(n)
+
+    def __call__(self, args: list[Any]) -> Any:
+        inputs = list(args)
+        args.clear()
+        return self.run(*inputs)
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        for saved in self.release_after.get(n, ()):
+            value = out if saved is n else self.env[saved]
+            stand_in = torch.empty((), dtype=value.dtype, device=value.device).expand(value.shape)
+            if saved is n:
+                out = stand_in
+            else:
+                self.env[saved] = stand_in
+        return out
 
 
 def _boxed(pair: GraphPair, backward: bool) -> Callable[[list[Any]], Any]:
@@ -154,9 +201,9 @@ class Recorder:
         pair = gm.meta[_PAIR_KEY]
         return _boxed(pair, backward=True)
 
-    def _note_run(self, pair: GraphPair, args: list[Any]) -> None:
+    def _note_run(self, pair: GraphPair, args: list[Any]) -> Callable[[list[Any]], Any] | None:
         if self.ran is None:
-            return
+            return None
         if pair in self.ran:
             from .errors import UnsupportedModel
 
@@ -166,6 +213,7 @@ class Recorder:
                 "inside it) or compile the repeated block instead of the whole model")
         self.ran.append(pair)
         self.args.append(list(args))
+        return FrugalForward(pair)
 
     @contextlib.contextmanager
     def recording_step(self) -> Iterator[list[GraphPair]]:
@@ -209,7 +257,11 @@ def preserved_state(model: nn.Module, inputs: Any = ()) -> Iterator[None]:
 
 def capture_step(compiled: Callable[..., Any], recorder: Recorder, model: nn.Module,
                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[GraphPair], list[list[Any]]]:
-    """Trace one forward of ``compiled`` (side-effect free): its graph pairs in order, and their inputs."""
+    """Trace one forward of ``compiled`` (side-effect free): its graph pairs in order, and their inputs.
+
+    The forwards run through :class:`FrugalForward` (saved activations are not held), so a step
+    that does not fit in memory can still be captured; nothing is bound to the pairs.
+    """
     with preserved_state(model, (args, kwargs)), recorder.recording_step() as ran:
         with torch.enable_grad():
             compiled(*args, **kwargs)

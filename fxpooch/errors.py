@@ -20,19 +20,23 @@ class InfeasibleMemoryLimit(FxpoochError, ValueError):
     """
 
     def __init__(self, mem_limit: int, min_feasible_bytes: int, live: Sequence[tuple[str, int]] = (),
-                 planner: str = "pooch"):
+                 planner: str = "pooch", margin_bytes: int = 0):
         from .units import format_bytes
 
         self.mem_limit = mem_limit
         self.min_feasible_bytes = min_feasible_bytes
         self.live = tuple(live)
         self.planner = planner
+        self.margin_bytes = margin_bytes
         top = ", ".join(f"{name} ({format_bytes(n)})" for name, n in self.live[:5])
         msg = (
             f"mem_limit={format_bytes(mem_limit)} ({mem_limit} bytes) is below what planner "
             f"{planner!r} can fit: the smallest feasible limit is {format_bytes(min_feasible_bytes)} "
             f"({min_feasible_bytes} bytes). Raise mem_limit to at least that, or reduce the batch size."
         )
+        if margin_bytes:
+            msg += (f" Both limits include the allocator margin kept free under them ({format_bytes(margin_bytes)} "
+                    "at this limit; the margin option of compile sets it).")
         if top:
             msg += f" Live at the floor's peak: {top}."
         super().__init__(msg)
@@ -55,3 +59,17 @@ class UnknownName(FxpoochError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return self.args[0]
+
+
+class HostPoolExhausted(FxpoochError, MemoryError):
+    """The host copies of swapped activations need more than the pool's ``host_pool_limit``."""
+
+    def __init__(self, limit: int, in_use: int, need: int):
+        from .units import format_bytes
+
+        self.limit, self.in_use, self.need = limit, in_use, need
+        super().__init__(
+            f"the host pool needs a {format_bytes(need)} block but already holds {format_bytes(in_use)} of host "
+            f"copies not yet brought back, and its limit is {format_bytes(limit)} ({limit} bytes). Raise "
+            "host_pool_limit (at least the plan's host bytes, plan.host_bytes, for each forward whose backward has "
+            "not run yet), or run backward before the next forward.")

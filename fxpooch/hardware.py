@@ -8,15 +8,18 @@ its source so a reader can check it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from types import MappingProxyType
 
 import torch
 
 from .errors import UnknownName
 
-__all__ = ["Link", "Hardware", "LINKS", "PRESETS", "get_hardware", "get_link", "dtype_name"]
+__all__ = ["Link", "LinkCalibration", "Hardware", "LINKS", "PRESETS", "fit_link", "get_hardware", "get_link",
+           "dtype_name"]
 
 # Bytes per gigabyte (decimal), as used by interconnect and HBM spec sheets.
 _GB = 1e9
@@ -39,19 +42,83 @@ _GPU_LAUNCH_S = 5e-6
 _CUDA_ALLOC_ALIGNMENT = 512
 
 
+def fit_link(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """Least-squares fit of ``seconds = latency + nbytes / bandwidth`` to timed copies.
+
+    Returns ``(latency, bandwidth)``; a negative intercept (noise on tiny copies) is clamped to
+    0. Raises ``ValueError`` when the samples cannot give a bandwidth (fewer than two distinct
+    sizes, or times that do not grow with size).
+    """
+    if len(sizes) != len(seconds):
+        raise ValueError(f"fit_link: {len(sizes)} sizes but {len(seconds)} times")
+    if len(set(sizes)) < 2:
+        raise ValueError(f"fit_link: need copies of at least two distinct sizes, got {sorted(set(sizes))}")
+    if not all(math.isfinite(t) and t >= 0 for t in seconds):
+        raise ValueError(f"fit_link: copy times must be finite and >= 0 s, got {list(seconds)}")
+    n = len(sizes)
+    mean_b, mean_t = sum(sizes) / n, sum(seconds) / n
+    var = sum((b - mean_b) ** 2 for b in sizes)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in zip(sizes, seconds)) / var
+    if not slope > 0:
+        raise ValueError(f"fit_link: copy times do not grow with size ({list(zip(sizes, seconds))}); "
+                         "time larger copies")
+    return max(0.0, mean_t - slope * mean_b), 1.0 / slope
+
+
+@dataclass(frozen=True)
+class LinkCalibration:
+    """Pinned host<->device copies timed with CUDA events: seconds per copy of each size, device
+    to host and host to device, on a side stream alone and while a memory-bound kernel runs on
+    the compute stream (``*_concurrent``, what a swap overlapping compute sees)."""
+
+    device: str
+    sizes: tuple[int, ...]
+    d2h: tuple[float, ...]
+    h2d: tuple[float, ...]
+    d2h_concurrent: tuple[float, ...]
+    h2d_concurrent: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("sizes", "d2h", "h2d", "d2h_concurrent", "h2d_concurrent"):
+            value = tuple(getattr(self, name))
+            object.__setattr__(self, name, value)
+            if len(value) != len(self.sizes):
+                raise ValueError(f"LinkCalibration.{name}: {len(value)} entries for {len(self.sizes)} sizes")
+
+    def fit(self, direction: str, concurrent: bool = True) -> Link:
+        """The fitted link of ``direction`` ("d2h" or "h2d"), next to compute or alone."""
+        if direction not in ("d2h", "h2d"):
+            raise ValueError(f"direction must be 'd2h' or 'h2d', got {direction!r}")
+        seconds = getattr(self, f"{direction}_concurrent" if concurrent else direction)
+        latency, bandwidth = fit_link(self.sizes, seconds)
+        return Link(f"{self.device} {direction}{' concurrent' if concurrent else ''}", bandwidth, latency)
+
+
 @dataclass(frozen=True)
 class Link:
-    """A one-direction host<->device link: ``bandwidth`` in bytes/s, ``latency`` in seconds."""
+    """A host<->device link: ``bandwidth`` in bytes/s, ``latency`` in seconds, both directions.
+
+    A measured link also carries its :class:`LinkCalibration`; its per-direction fits next to
+    compute then time each direction (:meth:`directed`), and ``bandwidth``/``latency`` are the
+    slower direction's.
+    """
 
     name: str
     bandwidth: float
     latency: float
+    calibration: LinkCalibration | None = None
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
             raise ValueError(f"Link {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
         if not self.latency >= 0:
             raise ValueError(f"Link {self.name!r}: latency must be >= 0 s, got {self.latency!r}")
+
+    @classmethod
+    def calibrated(cls, name: str, calibration: LinkCalibration) -> Link:
+        """The link whose per-direction times are ``calibration``'s fits next to compute."""
+        d2h, h2d = calibration.fit("d2h"), calibration.fit("h2d")
+        return cls(name, min(d2h.bandwidth, h2d.bandwidth), max(d2h.latency, h2d.latency), calibration)
 
     def transfer_time(self, nbytes: int) -> float:
         """Seconds to move ``nbytes`` one way: ``latency + nbytes / bandwidth`` (0 bytes -> 0.0)."""
@@ -60,6 +127,24 @@ class Link:
         if nbytes == 0:
             return 0.0
         return self.latency + nbytes / self.bandwidth
+
+    def directed(self, direction: str) -> Link:
+        """The link of one direction ("d2h" or "h2d"): the calibrated fit next to compute when
+        measured, else this link."""
+        return self if self.calibration is None else self.calibration.fit(direction)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency}
+        if self.calibration is not None:
+            out["calibration"] = dataclasses.asdict(self.calibration)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Link:
+        """Inverse of :meth:`to_json` (also reads links saved before calibrations were recorded)."""
+        cal = data.get("calibration")
+        return cls(data["name"], float(data["bandwidth"]), float(data["latency"]),
+                   None if cal is None else LinkCalibration(**cal))
 
 
 LINKS: Mapping[str, Link] = MappingProxyType({

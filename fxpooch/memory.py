@@ -1,6 +1,8 @@
-"""Stage 2, memory model: how many device bytes a tensor's storage occupies."""
+"""Stage 2, memory model: how many device bytes a tensor's storage occupies, and the margin kept
+free of the plan for the allocator's fragmentation."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -10,6 +12,52 @@ import torch
 #: (c10/cuda/CUDACachingAllocator.cpp, kMinBlockSize); torch.cuda.max_memory_allocated
 #: reports those rounded block sizes.
 CUDA_ALLOCATOR_ALIGNMENT = 512
+
+#: Share of a CUDA limit kept out of the plan by default. The caching allocator serves the
+#: plan's tensors from segments (2 MiB for small blocks, 20 MiB or the rounded request for large
+#: ones, CUDACachingAllocator.cpp) and splits and caches blocks, so the memory it reserves
+#: exceeds the bytes allocated; a per-process cap (set_per_process_memory_fraction) bounds the
+#: reserved bytes. 5% is a starting figure, not a measured one: benchmarks/gpu.py records
+#: reserved next to allocated peaks so it can be checked and tuned with ``margin``.
+CUDA_FRAGMENTATION_SHARE = 0.05
+
+
+@dataclass(frozen=True)
+class Margin:
+    """Device bytes the plan leaves free under ``mem_limit``: ``share`` of the limit plus ``nbytes``.
+
+    The planner plans against ``mem_limit - margin.of(mem_limit)``.
+    """
+
+    share: float = 0.0
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.share < 1.0:
+            raise ValueError(f"Margin.share must be in [0, 1), got {self.share!r}")
+        if self.nbytes < 0:
+            raise ValueError(f"Margin.nbytes must be >= 0, got {self.nbytes!r}")
+
+    @classmethod
+    def default_for(cls, device: torch.device | str) -> Margin:
+        """CUDA_FRAGMENTATION_SHARE on CUDA; none on CPU and meta (allocations there are exact)."""
+        return cls(CUDA_FRAGMENTATION_SHARE if torch.device(device).type == "cuda" else 0.0)
+
+    def of(self, mem_limit: int) -> int:
+        """Bytes kept free under ``mem_limit``."""
+        return min(mem_limit, math.ceil(self.share * mem_limit) + self.nbytes)
+
+    def limit_for(self, planned: int) -> int:
+        """The smallest ``mem_limit`` that leaves at least ``planned`` bytes to plan."""
+        def enough(limit: int) -> bool:
+            return limit - self.of(limit) >= planned
+
+        limit = math.ceil((planned + self.nbytes) / (1.0 - self.share))
+        while not enough(limit):
+            limit += 1
+        while limit > 0 and enough(limit - 1):
+            limit -= 1
+        return limit
 
 
 @dataclass(frozen=True)

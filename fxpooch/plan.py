@@ -118,6 +118,8 @@ class Plan:
     profile: Profile = field(repr=False)
     #: per activation (graph order): (shape, dtype name); empty when unknown (rendered "?")
     activation_meta: tuple[ActivationMeta, ...] = field(default=(), repr=False)
+    #: device bytes kept free under ``mem_limit`` for the allocator's fragmentation (planned against the rest)
+    margin_bytes: int = 0
 
     @property
     def static_peak_bytes(self) -> int:
@@ -147,7 +149,7 @@ class Plan:
     # -- re-simulation (lazy: only for the displays) -------------------------------------------
     @cached_property
     def _evaluator(self) -> Evaluator:
-        return Evaluator(Problem(self.graph, self.profile.costs(self.graph), self.mem_limit))
+        return Evaluator(Problem(self.graph, self.profile.costs(self.graph), self.mem_limit - self.margin_bytes))
 
     @cached_property
     def _overheads(self) -> dict[int, Overheads]:
@@ -265,6 +267,8 @@ class Plan:
         return [
             ["planner", self.planner],
             ["memory limit", format_bytes(self.mem_limit)],
+            ["allocator margin", f"{format_bytes(self.margin_bytes)} (planned under "
+                                 f"{format_bytes(self.mem_limit - self.margin_bytes)})"],
             ["planned peak", f"{format_bytes(self.peak_bytes)} ({pct:.0f}% of in-core)"],
             ["in-core peak", format_bytes(self.in_core_peak_bytes)],
             ["resident (params, inputs)", format_bytes(self.graph.resident_bytes)],

@@ -1,20 +1,26 @@
 """Stage 3, profile: seconds per op and the host<->device link, as plain data (JSON).
 
 ``measure_profile`` times every node of the captured graphs (CUDA events on a GPU, a CPU timer
-otherwise) on the inputs seen at capture; ``analytic_profile`` derives deterministic times from
-a hardware preset's roofline. Either way ops are keyed by ``graph/phase/node`` and the profile
-carries a fingerprint of the graphs it was made for, so a saved profile reproduces a plan.
+otherwise). In situ, each graph pair runs whole on the inputs seen at capture, which needs the
+in-core step's memory; per node, each node runs alone on fresh inputs of its traced shapes,
+which needs one node's inputs and outputs, so a step that does not fit can still be profiled.
+``measure_link`` times pinned copies of several sizes, alone and next to compute.
+``analytic_profile`` derives deterministic times from a hardware preset's roofline. Either way
+ops are keyed by ``graph/phase/node`` and the profile carries a fingerprint of the graphs it was
+made for, so a saved profile reproduces a plan.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import math
+import operator
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,8 +29,9 @@ import torch.fx as fx
 from .costmodel import analytic_time
 from .errors import InvalidProfile
 from .graph import NodeTable, StepGraph
-from .hardware import Hardware, Link
-from .simulator import Costs
+from .hardware import Hardware, Link, LinkCalibration
+from .schedule import Decision, build_schedule
+from .simulator import Costs, simulate
 
 log = logging.getLogger("fxpooch.profile")
 
@@ -46,7 +53,7 @@ def fingerprint(graph: StepGraph) -> str:
 
 @dataclass(frozen=True)
 class Profile:
-    source: str  # "cuda-events", "cpu-timer" or "analytic:<preset>"
+    source: str  # "cuda-events", "cpu-timer" (" per-node" when so measured) or "analytic:<preset>"
     link: Link
     op_times: dict[str, float]
     fingerprint: str
@@ -57,14 +64,16 @@ class Profile:
                 f"profile {self.fingerprint} was made for other graphs than these ({fingerprint(graph)}); "
                 "profile this model again (a different model, batch shape or torch version changes the graphs)")
         op_time = tuple(self.op_times.get(op_key(graph, i), 0.0) for i in range(len(graph.ops)))
-        xfer = tuple(sum(self.link.transfer_time(b) for b in act.member_bytes if b) for act in graph.activations)
-        return Costs(op_time, xfer, xfer)
+        d2h, h2d = self.link.directed("d2h"), self.link.directed("h2d")
+        return Costs(op_time,
+                     tuple(sum(d2h.transfer_time(b) for b in act.member_bytes if b) for act in graph.activations),
+                     tuple(sum(h2d.transfer_time(b) for b in act.member_bytes if b) for act in graph.activations))
 
     def with_link(self, link: Link) -> Profile:
         return Profile(self.source, link, self.op_times, self.fingerprint)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT_VERSION, "source": self.source, "link": asdict(self.link),
+        return {"format": FORMAT_VERSION, "source": self.source, "link": self.link.to_json(),
                 "fingerprint": self.fingerprint, "op_times": self.op_times}
 
     @classmethod
@@ -72,7 +81,7 @@ class Profile:
         if not isinstance(data, dict) or data.get("format") != FORMAT_VERSION:
             raise InvalidProfile(f"not an fxpooch profile (format {FORMAT_VERSION} expected)")
         try:
-            return cls(data["source"], Link(**data["link"]), {k: float(v) for k, v in data["op_times"].items()},
+            return cls(data["source"], Link.from_json(data["link"]), {k: float(v) for k, v in data["op_times"].items()},
                        data["fingerprint"])
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidProfile(f"malformed fxpooch profile: {e}") from e
@@ -139,39 +148,246 @@ def _real_like(val: Any, device: torch.device) -> torch.Tensor | None:
         if val.is_contiguous() else torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=device).fill_(1)
 
 
+MODES = ("auto", "in-situ", "per-node")
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """How :func:`measure_profile` times the nodes: ``mode`` "in-situ" runs each graph pair whole
+    on the captured inputs (needs the in-core step's memory), "per-node" runs each node alone on
+    fresh inputs of its traced shapes (needs one node's inputs and outputs), "auto" is in-situ
+    when the in-core step fits (:func:`choose_mode`); ``repeats`` timed runs after a warm-up."""
+
+    mode: str = "auto"
+    repeats: int = 3
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidProfile(f"profile mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.repeats < 1:
+            raise InvalidProfile(f"profile repeats must be >= 1, got {self.repeats}")
+
+
+def in_core_peak_bytes(graph: StepGraph) -> int:
+    """Device bytes of the step with every activation kept (resident included), from the graph alone."""
+    keep = build_schedule(graph, [Decision.KEEP] * len(graph.activations))
+    zero = tuple(0.0 for _ in graph.ops)
+    none = tuple(0.0 for _ in graph.activations)
+    return simulate(graph, keep, Costs(zero, none, none)).static_peak_bytes
+
+
+def choose_mode(graph: StepGraph, mem_limit: int, device: torch.device) -> str:
+    """"in-situ" when the in-core step fits under ``mem_limit`` (and, on CUDA, in the free device
+    memory), else "per-node"."""
+    peak = in_core_peak_bytes(graph)
+    fits = peak <= mem_limit
+    if fits and device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        fits = peak - graph.resident_bytes <= free + cached
+    mode = "in-situ" if fits else "per-node"
+    log.info("in-core peak %d bytes, limit %d: profiling %s", peak, mem_limit, mode)
+    return mode
+
+
 def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[list[Any]], link: Link,
-                    repeats: int = 3) -> Profile:
-    """Time every node of every captured graph pair on real inputs (median of ``repeats``)."""
-    device = next((a.device for args in example_args for a in args if isinstance(a, torch.Tensor)),
-                  torch.device("cpu"))
+                    options: ProfileOptions = ProfileOptions(), mem_limit: int | None = None) -> Profile:
+    """Time every node of every captured graph pair (median of ``options.repeats``).
+
+    ``example_args`` (the captured inputs of each pair) are read in situ only; "auto" needs
+    ``mem_limit``.
+    """
+    device = _device_of(table, example_args)
     on_cuda = device.type == "cuda"
+    mode = options.mode
+    if mode == "auto":
+        if mem_limit is None:
+            raise InvalidProfile("profile mode 'auto' needs the memory limit; pass mem_limit or a mode")
+        mode = choose_mode(graph, mem_limit, device)
     clock = _cuda_clock if on_cuda else _cpu_clock
-    samples: dict[str, list[float]] = {}
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
-        for g, (pair, args) in enumerate(zip(table.pairs, example_args)):
-            for r in range(repeats + 1):  # the first run warms up
-                fw = _NodeTimer(pair.forward, clock)
-                with torch.no_grad():
-                    outs = fw.run(*args)
-                saved = list(outs[pair.num_user_outputs:])
-                tangents = [_real_like(n.meta.get("val"), device)
-                            for n in pair.backward.graph.find_nodes(op="placeholder")[len(saved):]]
-                bw = _NodeTimer(pair.backward, clock)
-                with torch.no_grad():
-                    bw.run(*saved, *tangents)
-                del outs, saved, tangents
-                if r == 0:
-                    continue
-                for phase, timer in (("forward", fw), ("backward", bw)):
-                    for name, t in timer.times.items():
-                        samples.setdefault(f"{g}/{phase}/{name}", []).append(t)
+        if mode == "in-situ":
+            samples = _in_situ(table, example_args, device, clock, options.repeats)
+        else:
+            samples = _per_node(table, clock, options.repeats)
     finally:
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     times = {k: statistics.median(v) for k, v in samples.items()}
-    source = "cuda-events" if on_cuda else "cpu-timer"
+    source = ("cuda-events" if on_cuda else "cpu-timer") + (" per-node" if mode == "per-node" else "")
     log.info("profiled %d ops with %s", len(times), source)
     return Profile(source, link, times, fingerprint(graph))
+
+
+def _device_of(table: NodeTable, example_args: Sequence[list[Any]]) -> torch.device:
+    for args in example_args:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                return a.device
+    for node in table.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return torch.device("cpu")
+
+
+def _in_situ(table: NodeTable, example_args: Sequence[list[Any]], device: torch.device,
+             clock: Callable[[], Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {}
+    for g, (pair, args) in enumerate(zip(table.pairs, example_args)):
+        for r in range(repeats + 1):  # the first run warms up
+            fw = _NodeTimer(pair.forward, clock)
+            with torch.no_grad():
+                outs = fw.run(*args)
+            saved = list(outs[pair.num_user_outputs:])
+            tangents = [_real_like(n.meta.get("val"), device)
+                        for n in pair.backward.graph.find_nodes(op="placeholder")[len(saved):]]
+            bw = _NodeTimer(pair.backward, clock)
+            with torch.no_grad():
+                bw.run(*saved, *tangents)
+            del outs, saved, tangents
+            if r == 0:
+                continue
+            for phase, timer in (("forward", fw), ("backward", bw)):
+                for name, t in timer.times.items():
+                    samples.setdefault(f"{g}/{phase}/{name}", []).append(t)
+    return samples
+
+
+def _per_node(table: NodeTable, clock: Callable[[], Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Each call_function node alone on fresh inputs, freed before the next node."""
+    samples: dict[str, list[float]] = {}
+    for g, pair in enumerate(table.pairs):
+        for phase, gm in (("forward", pair.forward), ("backward", pair.backward)):
+            for node in gm.graph.nodes:
+                if node.op != "call_function":
+                    continue
+                key = f"{g}/{phase}/{node.name}"
+                # getitem picks an element of a multi-output node's result: no kernel
+                samples[key] = [0.0] if node.target is operator.getitem else _bench_node(node, clock, repeats)
+    return samples
+
+
+def _bench_node(node: fx.Node, clock: Callable[[], Callable[[], float]], repeats: int) -> list[float]:
+    made: dict[fx.Node, Any] = {}
+
+    def fresh(arg: fx.Node) -> Any:
+        if arg not in made:
+            made[arg] = fresh_value(arg)
+        return made[arg]
+
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), fresh)
+    times = []
+    try:
+        with torch.no_grad():
+            for r in range(repeats + 1):  # the first run warms up
+                stop = clock()
+                out = node.target(*args, **kwargs)
+                elapsed = stop()
+                del out
+                if r:
+                    times.append(elapsed)
+    except Exception as e:
+        raise RuntimeError(f"profiling failed at node {node.format_node()} (run alone on fresh inputs): {e}; "
+                           "profile with mode='in-situ' if the step fits, or profile='analytic'") from e
+    return times
+
+
+def fresh_value(node: fx.Node) -> Any:
+    """A new value like ``node``'s traced one: floats uniform in [0.5, 1.5), integers and booleans
+    zero (every index in range), same shape, strides and device."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        if val is None or isinstance(val, (tuple, list)):
+            raise RuntimeError(f"node {node.name} has no traced tensor value to stand in for")
+        return val  # a traced int, float or bool
+    span = 1 + sum((n - 1) * st for n, st in zip(val.shape, val.stride())) if val.numel() else 0
+    base = torch.empty(span, dtype=val.dtype, device=val.device)
+    if val.dtype.is_floating_point:
+        base.uniform_(0.5, 1.5)
+    elif val.dtype.is_complex:
+        base.fill_(1)
+    else:
+        base.zero_()
+    return base.as_strided(val.shape, val.stride())
+
+
+#: copy sizes of the link calibration: 64 KiB (latency-bound) to 64 MiB (bandwidth-bound)
+LINK_SIZES = (1 << 16, 1 << 20, 1 << 23, 1 << 26)
+_links: dict[str, Link] = {}  # calibrated links of this process, by device
+
+
+def measure_link(device: torch.device | str, sizes: Sequence[int] = LINK_SIZES, repeats: int = 5) -> Link:
+    """Pinned host<->device copies of ``sizes`` timed with CUDA events on a side stream, each
+    direction alone and while a memory-bound kernel runs on the compute stream; latency and
+    bandwidth fitted per direction (:class:`~fxpooch.hardware.LinkCalibration`, kept in the
+    link and so in a saved profile). Measured once per device in a process; needs twice the
+    largest size of device memory (copy buffer and kernel operand) for a moment."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = f"cuda:{index}"
+    if key not in _links:
+        with torch.cuda.device(index):
+            cal = _calibrate(torch.device(key), tuple(sizes), repeats)
+        _links[key] = Link.calibrated(f"measured:{cal.device}", cal)
+        log.info("link of %s: %s", key, _links[key])
+    return _links[key]
+
+
+def _calibrate(device: torch.device, sizes: tuple[int, ...], repeats: int) -> LinkCalibration:
+    n = max(sizes)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+    side = torch.cuda.Stream(device)
+    compute = torch.cuda.current_stream(device)
+
+    def enqueue(to_host: bool) -> list[list[tuple[torch.cuda.Event, torch.cuda.Event]]]:
+        per_size = []
+        with torch.cuda.stream(side):
+            for size in sizes:
+                src, dst = (dev[:size], host[:size]) if to_host else (host[:size], dev[:size])
+                dst.copy_(src, non_blocking=True)  # warm-up
+                pairs = []
+                for _ in range(repeats):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record(side)
+                    dst.copy_(src, non_blocking=True)
+                    end.record(side)
+                    pairs.append((start, end))
+                per_size.append(pairs)
+        return per_size
+
+    def seconds(per_size: list[list[tuple[torch.cuda.Event, torch.cuda.Event]]]) -> tuple[float, ...]:
+        return tuple(statistics.median(s.elapsed_time(e) / 1e3 for s, e in pairs) for pairs in per_size)
+
+    side.wait_stream(compute)
+    alone = [enqueue(True), enqueue(False)]
+    side.synchronize()
+    d2h, h2d = seconds(alone[0]), seconds(alone[1])
+    # a memory-bound kernel (in-place scaling of the largest size) repeated to outlast every copy
+    work = torch.ones(n // 4, dtype=torch.float32, device=device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    work.mul_(1.0)
+    start.record(compute)
+    work.mul_(1.0)
+    end.record(compute)
+    end.synchronize()
+    per_kernel = max(start.elapsed_time(end) / 1e3, 1e-6)
+    copies = (1 + repeats) * (sum(d2h) + sum(h2d))
+    side.wait_stream(compute)
+    begin, finish = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record(compute)
+    for _ in range(math.ceil(2 * copies / per_kernel) + 1):
+        work.mul_(1.0)
+    finish.record(compute)
+    concurrent = [enqueue(True), enqueue(False)]
+    last = concurrent[1][-1][-1][1]
+    torch.cuda.synchronize(device)
+    if begin.elapsed_time(last) > begin.elapsed_time(finish):
+        log.warning("link calibration: the compute kernel ended before the copies; the concurrent figures "
+                    "are partly copies alone")
+    return LinkCalibration(torch.cuda.get_device_name(device), sizes, d2h, h2d,
+                           seconds(concurrent[0]), seconds(concurrent[1]))

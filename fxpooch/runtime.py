@@ -3,19 +3,25 @@
 On CUDA, ``offload`` copies device -> pinned host on a D2H side stream and ``prefetch`` host ->
 device on an H2D side stream; events order them after their producers and ``wait`` makes the
 compute stream wait for a prefetch. ``record_stream`` tells the caching allocator that a side
-stream still uses a buffer, so its memory is not reused before the copy is done. Host buffers
-come from a :class:`HostPool` reused across steps. On CPU the same ops are plain host copies,
-so rewritten graphs run (and are tested) on any machine.
+stream still uses a buffer, so its memory is not reused before the copy is done. Nothing here
+waits on the host: ordering is by events between streams. Host buffers come from a
+:class:`HostPool` (each compiled module has its own, see :func:`using_pool`) reused across
+steps. On CPU the same ops are plain host copies, so rewritten graphs run (and are tested) on
+any machine.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+from .errors import HostPoolExhausted
 
 log = logging.getLogger("fxpooch.runtime")
 
@@ -28,45 +34,75 @@ _lib.define("drop(Tensor x) -> Tensor")
 
 @dataclass
 class HostPool:
-    """Host (pinned, on CUDA machines) buffers by byte size, reused once their copies are done.
+    """Host blocks (pinned on CUDA machines) for the host copies of swapped activations, reused
+    across steps and bounded by ``limit_bytes`` (None: no bound).
 
-    A block goes back to the pool when its prefetch is done, or when the host copy is dropped
-    without one (a forward whose backward never runs); returning twice is harmless.
+    A block returns to the pool when its prefetch is issued, tagged with that copy's CUDA event
+    (or when the host copy is dropped without one: a forward whose backward never runs). A block
+    handed out again still carries the event, and the next device-to-host copy into it waits for
+    that event on the copy stream: reuse never waits on the host. A new block that would take
+    the pool past ``limit_bytes`` first releases free blocks of other sizes (another input
+    shape's plan); if the blocks in use still leave no room, :class:`HostPoolExhausted`.
     """
 
+    limit_bytes: int | None = None
     pin: bool = field(default_factory=torch.cuda.is_available)
-    free: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    pending: list[tuple[torch.Tensor, object]] = field(default_factory=list)  # (block, event or None)
+    free: dict[int, list[tuple[torch.Tensor, object]]] = field(default_factory=dict)  # size -> (block, event)
     in_use: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # data_ptr -> (token, block)
     total_bytes: int = 0
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _tokens: itertools.count = field(default_factory=itertools.count, repr=False)
 
-    def take(self, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised host tensor with ``like``'s shape, strides and dtype."""
+    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """An uninitialised host tensor with ``like``'s shape, strides and dtype, and the event
+        (None: none) that the last reader of its block recorded."""
         nbytes = _span_bytes(like)
         if nbytes == 0:
-            return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype)
+            return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype), None
         with self.lock:
-            self._collect()
             blocks = self.free.get(nbytes)
             if blocks:
-                block = blocks.pop()
+                done = next((i for i, (_, e) in enumerate(blocks) if e is None or e.query()), 0)
+                block, after = blocks.pop(done)
             else:
-                block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+                self._make_room(nbytes)
+                block, after = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin), None
                 self.total_bytes += nbytes
             token = next(self._tokens)
             self.in_use[block.data_ptr()] = (token, block)
         host = torch.empty(0, dtype=like.dtype).set_(block.untyped_storage(), 0, like.shape, like.stride())
         weakref.finalize(host, self._dropped, block.data_ptr(), token)
-        return host
+        return host, after
+
+    @property
+    def in_use_bytes(self) -> int:
+        with self.lock:
+            return sum(block.numel() for _, block in self.in_use.values())
+
+    def _make_room(self, nbytes: int) -> None:
+        if self.limit_bytes is None or self.total_bytes + nbytes <= self.limit_bytes:
+            return
+        for size in list(self.free):  # no free block has ``nbytes``: all are of other sizes
+            blocks = self.free[size]
+            while blocks and self.total_bytes + nbytes > self.limit_bytes:
+                blocks.pop()  # a copy still reading it keeps it alive in torch's pinned cache
+                self.total_bytes -= size
+            if not blocks:
+                del self.free[size]
+        if self.total_bytes + nbytes > self.limit_bytes:
+            raise HostPoolExhausted(self.limit_bytes, self.in_use_bytes, nbytes)
 
     def give_back(self, host: torch.Tensor, after: object = None) -> None:
-        """Return ``host``'s block once ``after`` (a CUDA event, or None: now) has completed."""
+        """Return ``host``'s block; its next user must wait for ``after`` (a CUDA event, or None)."""
         self._release(host.untyped_storage().data_ptr(), None, after)
 
     def _dropped(self, ptr: int, token: int) -> None:
-        self._release(ptr, token, _offloaded.pop(ptr, None))
+        with self.lock:
+            entry = self.in_use.get(ptr)
+            if entry is None or entry[0] != token:
+                return  # given back already; the block (and its registry entry) may be another copy's now
+            copy = _host_copies.pop(ptr, None)
+            self._release(ptr, token, None if copy is None else copy[1])
 
     def _release(self, ptr: int, token: int | None, after: object) -> None:
         with self.lock:
@@ -74,17 +110,8 @@ class HostPool:
             if entry is None or (token is not None and entry[0] != token):
                 return  # already returned (and perhaps handed out again)
             del self.in_use[ptr]
-            self.pending.append((entry[1], after))
-            self._collect()
-
-    def _collect(self) -> None:
-        still = []
-        for block, event in self.pending:
-            if event is None or event.query():
-                self.free.setdefault(block.numel(), []).append(block)
-            else:
-                still.append((block, event))
-        self.pending = still
+            block = entry[1]
+            self.free.setdefault(block.numel(), []).append((block, after))
 
 
 def _span_bytes(t: torch.Tensor) -> int:
@@ -109,50 +136,75 @@ class _Streams:
         return table[idx]
 
 
+#: the pool of offloads made outside a CompiledModule call (e.g. the ops called directly)
 POOL = HostPool()
 _streams = _Streams()
-_offloaded: dict[int, torch.cuda.Event] = {}  # host data_ptr -> D2H done
+_active = threading.local()
+_host_copies: dict[int, tuple[HostPool, object]] = {}  # host data_ptr -> (its pool, D2H done or None)
 _prefetched: dict[int, torch.cuda.Event] = {}  # device data_ptr -> H2D done
 
 
+@contextlib.contextmanager
+def using_pool(pool: HostPool) -> Iterator[None]:
+    """Offloads on this thread take their host blocks from ``pool`` inside the block."""
+    previous = getattr(_active, "pool", None)
+    _active.pool = pool
+    try:
+        yield
+    finally:
+        _active.pool = previous
+
+
+def _take(x: torch.Tensor) -> tuple[torch.Tensor, object]:
+    pool = getattr(_active, "pool", None) or POOL
+    host, after = pool.take(x)
+    if _span_bytes(x):  # zero-byte copies are not pool blocks
+        _host_copies[host.data_ptr()] = (pool, None)
+    return host, after
+
+
 def _offload_cpu(x: torch.Tensor) -> torch.Tensor:
-    host = POOL.take(x)
+    host, _ = _take(x)
     host.copy_(x)
     return host
 
 
 def _offload_cuda(x: torch.Tensor) -> torch.Tensor:
-    host = POOL.take(x)
+    host, block_free = _take(x)
     stream = _streams.get(_streams.d2h, x.device)
     stream.wait_stream(torch.cuda.current_stream(x.device))
+    if block_free is not None:
+        stream.wait_event(block_free)  # the block's previous prefetch has read it
     with torch.cuda.stream(stream):
         host.copy_(x, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
     x.record_stream(stream)
-    _offloaded[host.data_ptr()] = done
+    if host.data_ptr() in _host_copies:
+        _host_copies[host.data_ptr()] = (_host_copies[host.data_ptr()][0], done)
     return host
 
 
 def _prefetch(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
-        out.copy_(host)
-        POOL.give_back(host)
-        return out
+    copy = _host_copies.pop(host.data_ptr(), None)
     out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+    if device.type != "cuda":
+        out.copy_(host)
+        if copy is not None:
+            copy[0].give_back(host)
+        return out
     stream = _streams.get(_streams.h2d, out.device)
-    offloaded = _offloaded.pop(host.data_ptr(), None)
     stream.wait_stream(torch.cuda.current_stream(out.device))  # ``out`` was allocated on compute
-    if offloaded is not None:
-        stream.wait_event(offloaded)
+    if copy is not None and copy[1] is not None:
+        stream.wait_event(copy[1])
     with torch.cuda.stream(stream):
         out.copy_(host, non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
     out.record_stream(stream)
     _prefetched[out.data_ptr()] = done
-    POOL.give_back(host, after=done)
+    if copy is not None:
+        copy[0].give_back(host, after=done)
     return out
 
 

@@ -6,7 +6,10 @@ False (the CPU tests in test_correctness.py cover the same plans with host copie
   missing event, ``wait_stream`` or ``record_stream`` shows up as a wrong number;
 * ``torch.cuda.max_memory_allocated`` stays under the limit over a sweep of limits, never rises
   as the limit falls, and is within 5% of the planned peak;
-* host memory (the pinned pool and the process RSS) is flat over 50 steps; pool blocks are reused.
+* host memory (the pinned pool and the process RSS) is flat over 50 steps; pool blocks are reused;
+* a step that does not fit under a per-process memory cap still compiles (frugal capture,
+  per-node CUDA-event profile) and runs under the cap; the link calibration, the pool bound and
+  the allocator margin do what they say.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ import torch
 import fxpooch
 from fxpooch import _torch_compat as compat
 from fxpooch import runtime
+from fxpooch.errors import HostPoolExhausted
+from fxpooch.memory import Margin
+from fxpooch.profile import LINK_SIZES, measure_link
 from zoo import ZOO
 
 pytestmark = pytest.mark.skipif(
@@ -82,10 +88,12 @@ def compile_cuda(model: torch.nn.Module, x: torch.Tensor, limit: int, planner: s
 
 def floor_and_in_core(model: torch.nn.Module, x: torch.Tensor, profile: str | fxpooch.Profile = "analytic"
                       ) -> tuple[int, int]:
+    """The smallest feasible limit and the limit at which the in-core step fits (both with the
+    default allocator margin)."""
     with pytest.raises(fxpooch.InfeasibleMemoryLimit) as info:
         compile_cuda(model, x, 1, profile=profile)
     in_core = compile_cuda(model, x, device_memory(), planner="in-core", profile=profile).plan.in_core_peak_bytes
-    return info.value.min_feasible_bytes, in_core
+    return info.value.min_feasible_bytes, Margin.default_for("cuda").limit_for(in_core)
 
 
 _limits: dict[str, tuple[int, int]] = {}
@@ -200,9 +208,9 @@ def test_host_memory_flat_over_50_steps():
         step(cm, model, x)
         torch.cuda.synchronize()  # as a training loop that logs its loss does
         gc.collect()
-        pool_bytes.append(runtime.POOL.total_bytes)
+        pool_bytes.append(cm.host_pool_bytes)
         rss.append(rss_bytes())
-        pending.append((len(runtime._offloaded), len(runtime._prefetched)))
+        pending.append((len(runtime._host_copies), len(runtime._prefetched)))
     assert set(pool_bytes) == {pool_bytes[0]}, f"pinned pool grew: {pool_bytes}"
     assert set(pending) == {pending[0]}, f"copy events accumulate: {pending}"
     assert rss[-1] - rss[4] <= RSS_SLACK, f"RSS grew {(rss[-1] - rss[4]) / 2**20:.1f} MiB over 45 steps"
@@ -210,7 +218,7 @@ def test_host_memory_flat_over_50_steps():
 
 def test_pinned_pool_blocks_are_reused():
     cm, model, x = swapping_module("mlp")
-    pool = runtime.POOL
+    pool = cm.host_pool
     assert pool.pin, "on a CUDA machine host copies must be pinned (else copies are synchronous)"
     step(cm, model, x)
     torch.cuda.synchronize()
@@ -219,5 +227,76 @@ def test_pinned_pool_blocks_are_reused():
         step(cm, model, x)
         torch.cuda.synchronize()
     assert pool.total_bytes == after_first, "step 10 allocated host blocks instead of reusing step 1's"
-    blocks = [b for free in pool.free.values() for b in free]
+    blocks = [b for free in pool.free.values() for b, _ in free]
     assert blocks and all(b.is_pinned() for b in blocks)
+    assert pool.total_bytes <= cm.plan.host_bytes  # the plan's blocks (rounded to 512 B there), nothing more
+
+
+
+def test_pool_bounded_at_the_plans_host_bytes_without_host_syncs():
+    """Blocks are reused as soon as their prefetch is queued (the next D2H copy waits for it on
+    the device), so steps back to back without a synchronize fit in the plan's host bytes."""
+    model, x = cuda_zoo("transformer_block")
+    eager = copy.deepcopy(model)
+    probe = compile_cuda(model, x, device_memory(), planner="swap-all")
+    cm = fxpooch.compile(model, x, device_memory(), planner="swap-all", profile="analytic", hardware=HARDWARE,
+                         host_pool_limit=probe.plan.host_bytes)
+    for _ in range(10):
+        out = step(cm, model, x)
+    ref = step(eager, eager, x)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+    assert 0 < cm.host_pool_bytes <= probe.plan.host_bytes
+    small = fxpooch.compile(model, x, device_memory(), planner="swap-all", profile="analytic", hardware=HARDWARE,
+                            host_pool_limit=probe.plan.host_bytes // 2)
+    with pytest.raises(HostPoolExhausted):
+        step(small, model, x)
+
+
+# -- (e) a step that does not fit, the link and the margin -------------------------------------
+def test_step_over_a_memory_cap_compiles_and_runs_under_it():
+    """Capture holds no activations and the profile is per node (CUDA events), so compiling needs
+    far less than the in-core step: everything here runs under set_per_process_memory_fraction."""
+    model, x = cuda_zoo("transformer_block")
+    eager = copy.deepcopy(model)
+    floor, in_core = floor_and_in_core(model, x)
+    limit = (floor + in_core) // 2
+    resident = compile_cuda(model, x, device_memory(), planner="in-core").plan.graph.resident_bytes
+    measure_link(torch.device("cuda"))  # its buffers (2 x 64 MiB) would not fit under this cap
+    gc.collect()
+    torch.cuda.empty_cache()
+    outside = torch.cuda.memory_allocated() - resident
+    torch.cuda.set_per_process_memory_fraction((outside + limit) / device_memory())
+    try:
+        cm = fxpooch.compile(model, x, limit, profile="measure")
+        assert cm.plan.profile.source == "cuda-events per-node"
+        table = cm._current.table
+        assert len(cm.plan.profile.op_times) == sum(n.op == "call_function" for n in table.nodes)
+        assert cm.plan.margin_bytes == Margin.default_for("cuda").of(limit)
+        assert cm.plan.peak_bytes <= limit - cm.plan.margin_bytes
+        torch.manual_seed(0)
+        out = step(cm, model, x)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.manual_seed(0)
+    ref = step(eager, eager, x)
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_link_calibration_is_timed_per_direction_and_cached():
+    link = measure_link(torch.device("cuda"))
+    assert measure_link(torch.device("cuda", torch.cuda.current_device())) is link
+    cal = link.calibration
+    assert cal is not None and cal.sizes == LINK_SIZES
+    for times in (cal.d2h, cal.h2d, cal.d2h_concurrent, cal.h2d_concurrent):
+        assert all(t > 0 for t in times) and times[-1] > times[0]  # 64 MiB takes longer than 64 KiB
+    for direction in ("d2h", "h2d"):
+        assert cal.fit(direction).bandwidth == pytest.approx(link.directed(direction).bandwidth)
+    assert link.bandwidth == min(cal.fit("d2h").bandwidth, cal.fit("h2d").bandwidth)
+    model, x = cuda_zoo("mlp")
+    profile = compile_cuda(model, x, device_memory(), profile="measure").plan.profile
+    assert profile.link is link
