@@ -90,5 +90,6 @@ def run_demo(fraction: float = 0.5, batch: int = 16, size: int = 64, steps: int 
     ok = worst <= 1e-4
     print(f"\n{steps} training steps; largest gradient difference vs eager (relative): {worst:.2e} "
           f"-> {'OK' if ok else 'MISMATCH'}")
+    print(f"host memory held for swapped activations (reused every step): {format_bytes(cm.host_pool_bytes)}")
     print("rewritten graphs: compiled.forward_graphs[0].print_readable(), compiled.backward_graphs[0]...")
     return 0 if ok else 1
