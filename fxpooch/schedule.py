@@ -46,6 +46,7 @@ class Schedule:
     instance_buffer: tuple[int, ...]
     persistent: tuple[bool, ...]  # instance lives until the step ends
     last_reader: tuple[int, ...]  # per instance: instruction index (its own alloc if never read)
+    first_alloc: tuple[int, ...]  # per instance: the instruction that allocates it (-1: none)
     chains: dict[int, tuple[int, ...]]  # recomputed activation -> forward ops run again
     first_use: dict[int, int]  # swapped/recomputed activation -> first backward op needing it
 
@@ -162,13 +163,14 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
             recompute_at.setdefault(first_use[b], []).append(b)
 
     last: list[int] = [-1] * len(inst_bytes)  # per instance: its last reader (its allocator if unread)
+    first: list[int] = [-1] * len(inst_bytes)
 
     def emit(kind: Kind, op: int, act: int, new: tuple[int, ...], read: tuple[int, ...]) -> None:
         i = len(instrs)
         instrs.append(make_instr(Instr, (kind, op, act, new, read)))
         for x in new:
-            if last[x] < 0:
-                last[x] = i
+            if first[x] < 0:
+                first[x] = last[x] = i
         for x in read:
             last[x] = i
 
@@ -177,6 +179,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         own = {buf: view[buf] if buf == acts[b].buffer else copy_of(buf, buffers[buf].nbytes)
                for o in chains[b] for buf in allocs[o]}
         last.extend([-1] * (len(inst_bytes) - len(last)))
+        first.extend([-1] * (len(inst_bytes) - len(first)))
         for o in chains[b]:
             emit(Kind.RECOMPUTE, o, b, tuple(own[buf] for buf in allocs[o]),
                  tuple(own.get(buf, view[buf]) for buf in graph.recompute_read_buffers[o]))
@@ -203,7 +206,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
     return Schedule(
         decisions=decisions, prefetch_before=tuple(prefetch), instrs=tuple(instrs),
         instance_bytes=tuple(inst_bytes), instance_buffer=tuple(inst_buf), persistent=tuple(persistent),
-        last_reader=tuple(last), chains=chains, first_use=first_use,
+        last_reader=tuple(last), first_alloc=tuple(first), chains=chains, first_use=first_use,
     )
 
 
@@ -239,4 +242,5 @@ def move_prefetches(schedule: Schedule, prefetch_before: Sequence[int]) -> Sched
         new_index[j] = len(out)
         out.append(instrs[j])
     return dataclasses.replace(schedule, prefetch_before=tuple(target), instrs=tuple(out),
-                               last_reader=tuple(new_index[i] if i >= 0 else -1 for i in schedule.last_reader))
+                               last_reader=tuple(new_index[i] if i >= 0 else -1 for i in schedule.last_reader),
+                               first_alloc=tuple(new_index[i] if i >= 0 else -1 for i in schedule.first_alloc))

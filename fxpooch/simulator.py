@@ -11,6 +11,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
+
 from .graph import StepGraph
 from .schedule import Decision, Kind, Schedule
 
@@ -52,7 +54,7 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
     still copying), as the caching allocator does before it reports out of memory."""
     instrs = schedule.instrs
     inst_bytes = schedule.instance_bytes
-    alloc_at = _first_allocs(schedule)
+    alloc_at = schedule.first_alloc
     new_bytes = [0] * len(instrs)  # device bytes each instruction allocates
     frees_after: dict[int, list[int]] = {}  # instruction -> instances whose last reader it is
     for x, a in enumerate(alloc_at):
@@ -131,36 +133,21 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
         memory.append((when, cur))
         if cur > peak:
             peak = cur
-    static_peak = graph.resident_bytes + max(static_memory(schedule), default=0)
+    static = static_memory(schedule)
+    static_peak = graph.resident_bytes + max(int(static.max()) if len(static) else 0, 0)
     forward_end = end[forward_last] if forward_last >= 0 else 0.0
     return Timeline(max(t, d2h, h2d), peak, static_peak, forward_end, d2h_end, h2d_end, stall,
                     tuple(memory), tuple(start), tuple(end))
 
 
-def _first_allocs(schedule: Schedule) -> list[int]:
-    """Per instance: the instruction that allocates it, -1 if none does."""
-    alloc_at = [-1] * len(schedule.instance_bytes)
-    for i, ins in enumerate(schedule.instrs):
-        for x in ins.allocs:
-            if alloc_at[x] < 0:
-                alloc_at[x] = i
-    return alloc_at
-
-
-def static_memory(schedule: Schedule) -> list[int]:
+def static_memory(schedule: Schedule) -> np.ndarray:
     """Device bytes live during each instruction (resident excluded), copies instantaneous."""
     n = len(schedule.instrs)
-    delta = [0] * (n + 1)
-    alloc_at = _first_allocs(schedule)
-    for x, nbytes in enumerate(schedule.instance_bytes):
-        a = alloc_at[x]
-        if a < 0 or nbytes == 0:
-            continue
-        delta[a] += nbytes
-        if not schedule.persistent[x]:
-            delta[schedule.last_reader[x] + 1] -= nbytes
-    out, cur = [], 0
-    for i in range(n):
-        cur += delta[i]
-        out.append(cur)
-    return out
+    nbytes = np.asarray(schedule.instance_bytes, dtype=np.int64)
+    alloc = np.asarray(schedule.first_alloc, dtype=np.int64)
+    frees = np.asarray(schedule.last_reader, dtype=np.int64) + 1
+    live = (alloc >= 0) & (nbytes > 0)
+    freed = live & ~np.asarray(schedule.persistent, dtype=bool)
+    delta = np.bincount(alloc[live], nbytes[live], minlength=n + 1) - np.bincount(
+        frees[freed], nbytes[freed], minlength=n + 1)
+    return np.cumsum(delta[:n]).astype(np.int64)

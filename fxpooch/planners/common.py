@@ -46,7 +46,7 @@ def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
     beyond resident ones. Works on the program-order memory curve of ``jit``, raising it as each
     prefetch moves earlier.
     """
-    mem = np.asarray(static_memory(jit), dtype=np.int64)
+    mem = static_memory(jit)
     group_start: dict[int, int] = {}  # backward op -> first instruction of its group
     pending_group = None
     for i, ins in enumerate(jit.instrs):
@@ -175,15 +175,11 @@ def live_at_peak(graph: StepGraph, candidate: Candidate) -> list[tuple[str, int]
     """Names and sizes of the device buffers live at the candidate's (program-order) peak."""
     sched = candidate.schedule
     mem = static_memory(sched)
-    if not mem:
+    if len(mem) == 0:
         return []
-    at = max(range(len(mem)), key=mem.__getitem__)
-    alloc_at: dict[int, int] = {}
-    for i, ins in enumerate(sched.instrs):
-        for x in ins.allocs:
-            alloc_at.setdefault(x, i)
+    at = int(mem.argmax())
     live = [(graph.buffers[sched.instance_buffer[x]].name, n) for x, n in enumerate(sched.instance_bytes)
-            if n and x in alloc_at and alloc_at[x] <= at and (sched.persistent[x] or sched.last_reader[x] >= at)]
+            if n and 0 <= sched.first_alloc[x] <= at and (sched.persistent[x] or sched.last_reader[x] >= at)]
     return sorted(live, key=lambda t: -t[1])
 
 
