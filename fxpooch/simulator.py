@@ -69,28 +69,30 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
         forward_last -= 1
     RUN, RECOMPUTE, OFFLOAD, PREFETCH = Kind.RUN, Kind.RECOMPUTE, Kind.OFFLOAD, Kind.PREFETCH
     op_time, d2h_time, h2d_time = costs.op_time, costs.d2h_time, costs.h2d_time
-    pending: list[tuple[float, int]] = []  # heap of (free time, bytes)
+    pending: list[tuple[float, int]] = []  # heap of (free time, bytes) of frees still ahead
     live = graph.resident_bytes
-    start, end, issue = [], [], []
+    start, end = [], []
+    # memory events (time, order, delta); order puts an instruction's allocs before its frees
+    timed: list[tuple[float, float, int]] = []
     t = d2h = h2d = 0.0
     d2h_end: dict[int, float] = {}
     h2d_end: dict[int, float] = {}
     copied_until: dict[int, float] = {}  # offloaded instance -> its D2H end (it is read until then)
     stall: dict[int, float] = {}
-    free_time = [0.0] * len(inst_bytes)
     for i, ins in enumerate(instrs):
         kind = ins.kind
         need = new_bytes[i]
-        if need and kind is not OFFLOAD:
-            while pending and pending[0][0] <= t:
-                live -= heapq.heappop(pending)[1]
-            while mem_limit is not None and live + need > mem_limit and pending:
-                when, nbytes = heapq.heappop(pending)  # wait for the next copy to release memory
-                if when > t:
-                    t = when
-                live -= nbytes
-            live += need
-        issue.append(t)
+        if need:
+            if kind is not OFFLOAD:
+                while pending and pending[0][0] <= t:
+                    live -= heapq.heappop(pending)[1]
+                while mem_limit is not None and live + need > mem_limit and pending:
+                    when, nbytes = heapq.heappop(pending)  # wait for the next copy to release memory
+                    if when > t:
+                        t = when
+                    live -= nbytes
+                live += need
+            timed.append((t, i, need))
         if kind is RUN or kind is RECOMPUTE:
             s = t
             t = e = t + op_time[ins.op]
@@ -111,21 +113,24 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
             e = t
         start.append(s)
         end.append(e)
-        # compute-stream ends never decrease, so an instance is free once its last reader ends,
-        # or its offload does if that is later
+        # compute-stream times never decrease, so an instance is free once its last reader ends,
+        # or its offload does if that is later; frees not after the compute stream's time are
+        # taken at once (every later allocation happens no earlier)
+        freed_now = 0
         for x in frees_after.get(i, ()):
-            when = free_time[x] = max(e, copied_until.get(x, 0.0))
-            heapq.heappush(pending, (when, inst_bytes[x]))
-
-    # memory events: (time, order, delta); order puts an instruction's allocs before its frees
-    timed: list[tuple[float, float, int]] = []
-    for x, a in enumerate(alloc_at):
-        if a < 0 or inst_bytes[x] == 0:
-            continue
-        timed.append((issue[a], a, inst_bytes[x]))
-        if not schedule.persistent[x]:
-            timed.append((free_time[x], schedule.last_reader[x] + 0.5, -inst_bytes[x]))
-    timed.sort()
+            when = max(e, copied_until.get(x, 0.0))
+            if when == t:
+                freed_now += inst_bytes[x]
+                continue
+            if when < t:
+                live -= inst_bytes[x]
+            else:
+                heapq.heappush(pending, (when, inst_bytes[x]))
+            timed.append((when, i + 0.5, -inst_bytes[x]))
+        if freed_now:
+            live -= freed_now
+            timed.append((t, i + 0.5, -freed_now))
+    timed.sort()  # nearly sorted already: only delayed frees are out of order
     cur = peak = graph.resident_bytes
     memory = []
     for when, _, delta in timed:
