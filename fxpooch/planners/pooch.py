@@ -139,14 +139,16 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate, budget: float = mat
     deadline = time.process_time() + budget
 
     def ratio(a: int) -> float:
-        keep = list(current.decisions)
-        keep[a] = Decision.KEEP
-        baseline = ev.unconstrained_time(keep)  # X costs nothing: neither copies nor recompute
         rec = list(current.decisions)
         rec[a] = Decision.RECOMPUTE
         candidate = ev.evaluate(rec)
+        if candidate is None or not candidate.fits:
+            return math.inf
+        keep = list(current.decisions)
+        keep[a] = Decision.KEEP
+        baseline = ev.unconstrained_time(keep)  # X costs nothing: neither copies nor recompute
         swap_overhead = current.step_time - baseline
-        if candidate is None or not candidate.fits or swap_overhead <= 0:
+        if swap_overhead <= 0:
             return math.inf
         return max(candidate.step_time - baseline, 0.0) / swap_overhead
 
