@@ -391,12 +391,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per plan before it counts as 'timeout' (default 300, --quick 120)")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "paper.json")
+    ap.add_argument("--report", type=Path, metavar="JSON",
+                    help="plan nothing: print the tables and findings of a saved run (and rewrite it)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(message)s")
     timeout = args.timeout or (120.0 if args.quick else 300.0)
-    data = run(args.quick, max(1, args.workers), timeout)
+    if args.report:
+        data, args.out = json.loads(args.report.read_text()), args.report
+    else:
+        data = run(args.quick, max(1, args.workers), timeout)
     data["findings"] = findings(data)
     print(render(data))
     args.out.parent.mkdir(parents=True, exist_ok=True)
