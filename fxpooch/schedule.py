@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -185,9 +186,16 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
                  tuple(own.get(buf, view[buf]) for buf in graph.recompute_read_buffers[o]))
 
     make_instr = tuple.__new__  # Instr without its keyword-default wrapper: this loop is the hot path
+    runs = _forward_runs(graph)
     for start, stop in graph.forward_range:
         for op_id in range(start, stop):
-            emit(Kind.RUN, op_id, -1, allocs[op_id], reads[op_id])
+            i = len(instrs)
+            instrs.append(runs[op_id])
+            for x in allocs[op_id]:
+                if first[x] < 0:
+                    first[x] = last[x] = i
+            for x in reads[op_id]:
+                last[x] = i
             for a in offload_after.get(op_id, ()):
                 emit(Kind.OFFLOAD, -1, a, (), (acts[a].buffer,))
     for g in reversed(range(len(graph.backward_range))):
@@ -210,6 +218,20 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
     )
 
 
+_FORWARD_RUNS: dict[int, tuple[weakref.ref, dict[int, Instr]]] = {}
+
+
+def _forward_runs(graph: StepGraph) -> dict[int, Instr]:
+    """The RUN instruction of each forward op: the same in every schedule of ``graph``."""
+    cached = _FORWARD_RUNS.get(id(graph))
+    if cached is None or cached[0]() is not graph:
+        runs = {op: Instr(Kind.RUN, op, -1, graph.dynamic_allocs[op], graph.read_buffers[op])
+                for start, stop in graph.forward_range for op in range(start, stop)}
+        cached = _FORWARD_RUNS[id(graph)] = (weakref.ref(graph, lambda _, key=id(graph): _FORWARD_RUNS.pop(key, None)),
+                                             runs)
+    return cached[1]
+
+
 def move_prefetches(schedule: Schedule, prefetch_before: Sequence[int]) -> Schedule:
     """``schedule`` with each swap-in issued before ``prefetch_before[a]`` instead (not later
     than its first use): what :func:`build_schedule` lays out for those positions, without
@@ -226,12 +248,13 @@ def move_prefetches(schedule: Schedule, prefetch_before: Sequence[int]) -> Sched
     new_index = [0] * len(instrs)
     out: list[Instr] = []
     group: list[int] = []  # a backward op's waits, recomputes and run (a forward op's run; an offload)
-    for i, ins in enumerate(instrs):
-        if ins.kind is not Kind.PREFETCH:
+    PREFETCH, RUN, OFFLOAD = Kind.PREFETCH, Kind.RUN, Kind.OFFLOAD
+    for i, (kind, op, *_) in enumerate(instrs):
+        if kind is not PREFETCH:
             group.append(i)
-        if ins.kind is not Kind.RUN and ins.kind is not Kind.OFFLOAD:
+        if kind is not RUN and kind is not OFFLOAD:
             continue
-        for a in at.get(ins.op, ()) if ins.kind is Kind.RUN else ():
+        for a in at.get(op, ()) if kind is RUN else ():
             new_index[prefetch_index[a]] = len(out)
             out.append(instrs[prefetch_index[a]])
         for j in group:

@@ -79,8 +79,7 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
     h2d_end: dict[int, float] = {}
     copied_until: dict[int, float] = {}  # offloaded instance -> its D2H end (it is read until then)
     stall: dict[int, float] = {}
-    for i, ins in enumerate(instrs):
-        kind = ins.kind
+    for i, (kind, op, act, _, reads) in enumerate(instrs):
         need = new_bytes[i]
         if need:
             if kind is not OFFLOAD:
@@ -95,20 +94,20 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
             timed.append((t, i, need))
         if kind is RUN or kind is RECOMPUTE:
             s = t
-            t = e = t + op_time[ins.op]
+            t = e = t + op_time[op]
         elif kind is OFFLOAD:
             s = d2h if d2h > t else t
-            d2h = e = s + d2h_time[ins.act]
-            d2h_end[ins.act] = copied_until[ins.reads[0]] = e
+            d2h = e = s + d2h_time[act]
+            d2h_end[act] = copied_until[reads[0]] = e
         elif kind is PREFETCH:
-            s = max(h2d, t, d2h_end.get(ins.act, 0.0))
-            h2d = e = s + h2d_time[ins.act]
-            h2d_end[ins.act] = e
+            s = max(h2d, t, d2h_end.get(act, 0.0))
+            h2d = e = s + h2d_time[act]
+            h2d_end[act] = e
         else:  # WAIT
             s = t
-            ready = h2d_end.get(ins.act, t)
+            ready = h2d_end.get(act, t)
             if ready > t:
-                stall[ins.act] = ready - t
+                stall[act] = ready - t
                 t = ready
             e = t
         start.append(s)
