@@ -47,15 +47,20 @@ def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
     prefetch moves earlier.
     """
     mem = static_memory(jit)
-    group_start: dict[int, int] = {}  # backward op -> first instruction of its group
-    pending_group = None
-    for i, ins in enumerate(jit.instrs):
-        if ins.kind is not Kind.RUN:
-            pending_group = i if pending_group is None else pending_group
-            continue
-        group_start[ins.op] = i if pending_group is None else pending_group
-        pending_group = None
-    prefetch_index = {ins.act: i for i, ins in enumerate(jit.instrs) if ins.kind is Kind.PREFETCH}
+    group_start: dict[int, int] = {}  # op -> first instruction of its group (what runs just for it)
+    prefetch_index: dict[int, int] = {}  # swapped activation -> its prefetch in ``jit``
+    pending_group = -1
+    RUN, OFFLOAD, PREFETCH = Kind.RUN, Kind.OFFLOAD, Kind.PREFETCH
+    for i, (kind, op, act, *_) in enumerate(jit.instrs):
+        if kind is RUN:
+            group_start[op] = i if pending_group < 0 else pending_group
+            pending_group = -1
+        elif kind is OFFLOAD:  # follows its producer's run; belongs to no later op's group
+            pending_group = -1
+        else:
+            pending_group = i if pending_group < 0 else pending_group
+            if kind is PREFETCH:
+                prefetch_index[act] = i
     placed = list(jit.prefetch_before)
     floor_index: dict[int, int] = {}  # per backward graph: prefetches stay in FIFO order
     groups: dict[int, tuple[list[int], list[int]]] = {}  # graph -> (group starts, ops), ascending
