@@ -1,22 +1,167 @@
-"""The search planners: the exact optimum bounds the heuristics, local search never loses to PoocH."""
+"""The search planners and the bounds: exact is the 3^n optimum, bounds never exceed it,
+local search never loses to PoocH.
+
+Brute force over every decision vector is the oracle (graphs of at most 6 activations here).
+"""
 from __future__ import annotations
 
+import itertools
+import math
+import random
+
 import pytest
+import torch
+from torch import nn
 
 import fxpooch
+from fxpooch.errors import InfeasibleMemoryLimit
 from fxpooch.planners import Evaluator, Problem, get_planner
-from fxpooch.planners.search import SearchOptions, lower_bound, plan_exact
+from fxpooch.planners.bounds import Bounds, lower_bound, split_bound
+from fxpooch.planners.search import ExactSearchTooLarge, SearchOptions, plan_exact
+from fxpooch.schedule import Decision, build_schedule
+from fxpooch.simulator import simulate
+from test_planners import CONV, RELU, build, chain
 from zoo import ZOO
+
+K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
 
 
 def problem(name: str, fraction: float, hardware: str = "v100-pcie3") -> Problem:
+    """A zoo model's problem at ``fraction`` of the way from its floor to its in-core peak."""
     model, x = ZOO[name]()
     base = fxpooch.plan(model, x, "1TiB", planner="in-core", profile="analytic", hardware=hardware)
-    graph = base.graph
-    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as info:
-        get_planner("pooch")(Problem(graph, base.profile.costs(graph), 1))
-    floor = info.value.min_feasible_bytes
-    return Problem(graph, base.profile.costs(graph), int(floor + fraction * (base.in_core_peak_bytes - floor)))
+    graph, costs = base.graph, base.profile.costs(base.graph)
+    floor = Evaluator(Problem(graph, costs, 1)).floor().timeline.static_peak_bytes
+    return Problem(graph, costs, int(floor + fraction * (base.in_core_peak_bytes - floor)))
+
+
+def brute_force(prob: Problem) -> dict[tuple[Decision, ...], float]:
+    """Every realisable decision vector that fits -> its simulated step time."""
+    ev, acts = Evaluator(prob), prob.graph.activations
+    out = {}
+    for d in itertools.product(tuple(Decision), repeat=len(acts)):
+        if any(x is S and not a.swappable for x, a in zip(d, acts)):
+            continue
+        c = ev.evaluate(d)
+        if c is not None and c.fits:
+            out[d] = c.step_time
+    return out
+
+
+def at_fraction(graph, costs, fraction: float) -> Problem:
+    peak = simulate(graph, build_schedule(graph, [K] * len(graph.activations)), costs).peak_bytes
+    return Problem(graph, costs, int(peak * fraction))
+
+
+def _branchy():
+    """A skip connection, a backward op reading two activations, a loss."""
+    return build([("a1", ["x"], 1, 4, CONV), ("a2", ["a1"], 0.5, 2), ("a3", ["a2"], 2, 6, CONV),
+                  ("a4", ["a3", "a1"], 0.5, 3), ("loss", ["a4"], 0.5, 0)],
+                 [("g4", ["a4"], 1), ("g3", ["a3", "a1"], 3), ("g2", ["a2"], 1), ("g1", ["a1"], 2)],
+                 {"a1": (2, 2), "a2": (0.5, 1), "a3": (3, 3), "a4": (1, 0.5)})
+
+
+class TwoGraphs(nn.Module):
+    """A graph break: two forward/backward pairs in one step."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 512)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.c(torch.relu(self.b(h)))
+
+
+def _two_graphs(hardware: str):
+    torch.manual_seed(0)
+    base = fxpooch.plan(TwoGraphs(), torch.randn(2048, 512), "1TiB", planner="in-core", profile="analytic",
+                        hardware=hardware)
+    assert len(base.graph.forward_range) == 2
+    return base.graph, base.profile.costs(base.graph)
+
+
+SLOW, FAST = (4.0, 4.0), (0.25, 0.25)
+GRAPHS = {
+    "chain4-slow": lambda: chain([1, 1, 1, 1], [1, 1, 1, 1], [4, 4, 4, 4], [SLOW] * 4, loss=0.5),
+    "chain5-fast": lambda: chain([1, 0.5, 2, 0.5, 1], [1, 0.5, 2, 0.5, 1], [4, 2, 6, 2, 4], [FAST] * 5,
+                                 targets=[CONV, RELU, CONV, RELU, RELU]),
+    "chain6-mixed": lambda: chain([0.5, 2, 0.5, 1, 1, 0.5], [1, 3, 0.5, 2, 1, 0.5], [2, 6, 2, 4, 3, 1],
+                                  [(1, 1), (4, 4), (0.25, 2), (4, 1), (2, 2), (0.5, 0.5)], loss=0.5,
+                                  targets=[RELU, CONV, RELU, CONV, RELU, RELU]),
+    "branchy": _branchy,
+    "two-graphs-pcie": lambda: _two_graphs("v100-pcie3"),
+    "two-graphs-nvlink": lambda: _two_graphs("v100-nvlink2"),
+}
+FRACTIONS = [0.45, 0.6, 0.75, 0.9]
+
+
+@pytest.fixture(scope="module", params=sorted(GRAPHS))
+def instances(request) -> list[tuple[Problem, dict[tuple[Decision, ...], float]]]:
+    graph, costs = GRAPHS[request.param]()
+    probs = [at_fraction(graph, costs, f) for f in FRACTIONS]
+    return [(prob, brute_force(prob)) for prob in probs]
+
+
+def test_exact_equals_brute_force_and_bounds_stay_below(instances):
+    for prob, times in instances:
+        optimum = min(times.values(), default=None)
+        bound = lower_bound(Evaluator(prob))
+        try:
+            best = plan_exact(prob)
+        except InfeasibleMemoryLimit:
+            assert optimum is None  # (the bound need not see it: it is a necessary condition only)
+            continue
+        assert best.fits and best.timeline.peak_bytes <= prob.mem_limit
+        assert best.step_time == pytest.approx(optimum, rel=1e-12)
+        assert bound <= optimum * (1 + 1e-12)
+        assert bound >= sum(prob.costs.op_time) * (1 - 1e-12)
+
+
+def test_partial_bounds_stay_below_every_completion(instances):
+    rng = random.Random(0)
+    for prob, times in instances:
+        ev = Evaluator(prob)
+        bounds = Bounds(ev)
+        n = len(prob.graph.activations)
+        claimed = 0
+        for _ in range(60):
+            partial = [rng.choice([None, None, K, S, R]) for _ in range(n)]
+            partial = [None if d is S and not a.swappable else d for d, a in zip(partial, prob.graph.activations)]
+            best = min((t for d, t in times.items() if all(p is None or p is x for p, x in zip(partial, d))),
+                       default=math.inf)
+            assert bounds.bound(partial) <= best * (1 + 1e-12), partial
+            keep = [K if d is None else d for d in partial]
+            realisable = all(ev.can_recompute(a, keep) for a, d in enumerate(partial) if d is R)
+            if realisable and bounds.keep_completion_is_bound(partial):
+                claimed += 1
+                assert ev.unconstrained_time(keep) <= best * (1 + 1e-12), partial
+        assert claimed > 0
+
+
+@pytest.mark.parametrize("args, expected", [
+    # nothing to evict: the compute on either side of the cut
+    ((1.0, 2.0, 3.0, 0, [], []), 6.0),
+    # 2 bytes must go, recompute only at 1 s per byte: 1 + 0 + (3 + 2)
+    ((1.0, 0.0, 3.0, 2, [], [(1.0, 1), (1.0, 1), (5.0, 1)]), 6.0),
+    # swap only, D2H 4 s per 2 bytes: max(1, 4) + max(3, 4)
+    ((1.0, 0.0, 3.0, 2, [(4.0, 4.0, 2, 10)], []), 8.0),
+    # both: the best split swaps 1 byte (D2H 1 <= 1, H2D 1) and recomputes 1 (1 s): 1 + 4
+    ((1.0, 0.0, 3.0, 2, [(2.0, 2.0, 2, 10)], [(1.0, 1)]), 5.0),
+    # not enough candidates: nothing fits
+    ((1.0, 0.0, 3.0, 5, [(2.0, 2.0, 2, 10)], [(1.0, 1)]), math.inf),
+])
+def test_split_bound_by_hand(args, expected):
+    assert split_bound(*args) == pytest.approx(expected)
+
+
+def test_split_bound_deadline_levels():
+    # 2 bytes swapped at 1 s each way; first read by op 7, after which 5 s of compute remain:
+    # max(0, 2) + max(1 + 0, 2 + 5) = 9 with the deadline, 2 + max(1, 2) = 4 without
+    swap = [(2.0, 2.0, 2, 7)]
+    assert split_bound(0.0, 0.0, 1.0, 2, swap, []) == pytest.approx(4.0)
+    assert split_bound(0.0, 0.0, 1.0, 2, swap, [], [(7, 5.0)]) == pytest.approx(9.0)
 
 
 @pytest.mark.parametrize("hardware", ["v100-pcie3", "v100-nvlink2"])
@@ -24,7 +169,7 @@ def problem(name: str, fraction: float, hardware: str = "v100-pcie3") -> Problem
 def test_exact_is_optimal_and_heuristics_are_within_it(hardware, fraction):
     prob = problem("mlp", fraction, hardware)
     best = plan_exact(prob)
-    assert best.fits
+    assert best.step_time == pytest.approx(min(brute_force(prob).values()), rel=1e-12)
     for name in ("pooch", "swap-opt", "local"):
         c = get_planner(name)(prob)
         assert c.fits
@@ -33,10 +178,52 @@ def test_exact_is_optimal_and_heuristics_are_within_it(hardware, fraction):
     assert best.step_time >= lower_bound(Evaluator(prob)) * (1 - 1e-12)
 
 
+@pytest.mark.parametrize("name, hardware, fraction", [
+    ("cnn_bn", "v100-pcie3", 0.5),
+    ("transformer_block", "v100-pcie3", 0.25),
+])
+def test_exact_on_zoo_graphs_bounds_the_heuristics(name, hardware, fraction):
+    prob = problem(name, fraction, hardware)
+    best = plan_exact(prob)
+    assert lower_bound(Evaluator(prob)) <= best.step_time * (1 + 1e-12)
+    for planner in ("pooch", "local"):
+        assert get_planner(planner)(prob).step_time >= best.step_time * (1 - 1e-12), planner
+
+
 def test_exact_refuses_large_graphs():
     prob = problem("resnet_small", 0.5)
-    with pytest.raises(ValueError, match="max_exact"):
+    with pytest.raises(ExactSearchTooLarge, match="max_exact") as info:
         plan_exact(prob, SearchOptions(max_exact=9))
+    assert isinstance(info.value, ValueError) and "local" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["cnn_bn", "resnet_small", "transformer_block"])
+@pytest.mark.parametrize("hardware", ["v100-pcie3", "v100-nvlink2", "h100-pcie5"])
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.7])
+def test_bound_below_every_planner(name, hardware, fraction):
+    prob = problem(name, fraction, hardware)
+    bound = lower_bound(Evaluator(prob))
+    fitted = 0
+    for planner in ("pooch", "swap-opt", "superneurons", "checkpoint", "swap-all", "checkpoint-all"):
+        try:
+            c = get_planner(planner)(prob)
+        except InfeasibleMemoryLimit:
+            continue
+        fitted += 1
+        assert bound <= c.step_time * (1 + 1e-12), planner
+    assert fitted
+
+
+def test_bound_exceeds_in_core_time_when_the_link_is_slow():
+    prob = problem("cnn_bn", 0.0, "v100-pcie3")
+    in_core = Evaluator(prob).evaluate([K] * len(prob.graph.activations)).step_time
+    assert lower_bound(Evaluator(prob)) > in_core * 1.05
+
+
+def test_bound_is_infinite_below_the_floor():
+    prob = problem("cnn_bn", 0.0)
+    tight = Problem(prob.graph, prob.costs, prob.graph.resident_bytes + 1)
+    assert lower_bound(Evaluator(tight)) == math.inf
 
 
 @pytest.mark.parametrize("name", ["transformer_block", "resnet_small"])

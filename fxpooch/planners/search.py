@@ -2,19 +2,22 @@
 
 ``local`` starts from PoocH's plan and applies single-activation changes (keep / swap /
 recompute) that make the simulated step faster while the peak stays under the limit, until no
-change helps or the time budget is spent; it is never slower than ``pooch``. ``exact``
-enumerates every decision vector (3^n) for graphs of at most ``SearchOptions.max_exact``
-activations, which measures how far the heuristics are from the optimum.
+change helps or the time budget is spent; it is never slower than ``pooch``. ``exact`` finds
+the optimum over every decision vector (3^n) by branch and bound on the simulator, for graphs
+of at most ``SearchOptions.max_exact`` activations; with ``bounds.lower_bound`` on larger ones
+it measures how far the heuristics are from the optimum.
 """
 from __future__ import annotations
 
-import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass
 
+from ..errors import FxpoochError, InfeasibleMemoryLimit
 from ..schedule import Decision
 from . import register
+from .bounds import Bounds, lower_bound
 from .common import Candidate, Evaluator, Problem, require_fit
 from .pooch import plan_pooch
 
@@ -25,13 +28,10 @@ log = logging.getLogger("fxpooch.planner.search")
 class SearchOptions:
     #: wall-clock seconds the local search may spend after PoocH's plan
     time_budget: float = 20.0
-    #: largest number of activations the exhaustive search accepts (3**n simulations)
-    max_exact: int = 9
-
-
-def lower_bound(ev: Evaluator) -> float:
-    """No plan is faster than running every op once with nothing to wait for: the in-core time."""
-    return ev.evaluate(ev.all_keep()).step_time
+    #: largest number of activations the exact search accepts: its worst case is 3**n
+    #: simulations; up to 16 it usually proves the optimum within a minute, but a limit at the
+    #: floor with a fast link (many plans within a few percent) can take minutes from 13 on
+    max_exact: int = 20
 
 
 def local_search(ev: Evaluator, seed: Candidate, options: SearchOptions) -> Candidate:
@@ -64,21 +64,83 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     return local_search(Evaluator(problem), seed, options)
 
 
+class ExactSearchTooLarge(FxpoochError, ValueError):
+    """The graph has more activations than the exact search accepts."""
+
+
+@dataclass
+class _Search:
+    """Depth-first branch and bound over decisions in ``order`` (see ``plan_exact``)."""
+
+    ev: Evaluator
+    bounds: Bounds
+    order: list[int]
+    best: Candidate | None
+    nodes: int = 0
+
+    def improve(self, candidate: Candidate | None) -> None:
+        if candidate is not None and candidate.fits and (self.best is None or candidate.step_time < self.best.step_time):
+            self.best = candidate
+
+    def child_bound(self, decided: list[Decision | None]) -> float:
+        """A bound on every completion of ``decided``; infinite when none can be realised or fit."""
+        keep = [Decision.KEEP if d is None else d for d in decided]
+        if not all(self.ev.can_recompute(a, keep) for a, d in enumerate(decided) if d is Decision.RECOMPUTE):
+            return math.inf  # chains only grow as more is recomputed
+        out = self.bounds.bound(decided)
+        if out < math.inf and self.bounds.keep_completion_is_bound(decided):
+            out = max(out, self.ev.unconstrained_time(keep))
+        return out
+
+    def visit(self, decided: list[Decision | None], depth: int) -> None:
+        self.nodes += 1
+        if depth == len(self.order):
+            self.improve(self.ev.evaluate(decided))
+            return
+        a = self.order[depth]
+        children = []
+        for d in Decision:
+            if d is Decision.SWAP and not self.ev.graph.activations[a].swappable:
+                continue
+            decided[a] = d
+            children.append((self.child_bound(decided), d is not Decision.KEEP, d))
+        for lb, _, d in sorted(children):
+            if lb == math.inf or (self.best is not None and lb >= self.best.step_time):
+                break
+            decided[a] = d
+            self.visit(decided, depth + 1)
+        decided[a] = None
+
+
 def plan_exact(problem: Problem, options: SearchOptions = SearchOptions()) -> Candidate:
-    """The fastest fitting plan among all 3^n decision vectors (prefetch as early as memory allows)."""
-    ev = Evaluator(problem)
+    """The fastest fitting plan over all 3^n decision vectors (prefetch as early as memory allows).
+
+    Branch and bound: activations are decided largest first (input side first among equals),
+    so a recompute chain through earlier recomputes is known when it is priced; a subtree is cut when the
+    bound on its completions (``Bounds.bound``, and the keep completion where it is a bound,
+    see fxpooch.planners.bounds) is no better than the best plan found, which starts as the
+    ``local`` planner's. Ties keep the first plan found, so the result is an optimum, not
+    necessarily the same vector as exhaustive enumeration would return.
+    """
     n = len(problem.graph.activations)
     if n > options.max_exact:
-        raise ValueError(f"exact search over {n} activations is 3**{n} simulations; it accepts at most "
-                         f"{options.max_exact} (SearchOptions.max_exact)")
-    best: Candidate | None = None
-    for decisions in itertools.product(tuple(Decision), repeat=n):
-        if any(d is Decision.SWAP and not act.swappable for d, act in zip(decisions, problem.graph.activations)):
-            continue
-        c = ev.evaluate(decisions)
-        if c is not None and c.fits and (best is None or c.step_time < best.step_time):
-            best = c
-    return require_fit(ev, best, "exact")
+        raise ExactSearchTooLarge(
+            f"exact search over {n} activations may need up to 3**{n} simulations; it accepts at most "
+            f"{options.max_exact} (SearchOptions.max_exact). Use the 'local' planner, and "
+            f"fxpooch.planners.bounds.lower_bound for how far it can be from the optimum.")
+    ev = Evaluator(problem)
+    try:
+        seed = plan_local(problem, options)
+    except InfeasibleMemoryLimit:
+        seed = None
+    acts = problem.graph.activations
+    nbytes = [problem.graph.buffers[act.buffer].nbytes for act in acts]
+    order = sorted(range(n), key=lambda a: (-nbytes[a], max(acts[a].members)))
+    search = _Search(ev, Bounds(ev), order, seed)
+    search.visit([None] * n, 0)
+    log.info("exact: %d activations, %d nodes, %d evaluations, step %.4g s", n, search.nodes, ev.evaluations,
+             math.inf if search.best is None else search.best.step_time)
+    return require_fit(ev, search.best, "exact")
 
 
 @register("local")

@@ -1,0 +1,323 @@
+"""Lower bounds on the simulated step time of every plan that fits, and of every completion of a
+partial plan (what the exact search prunes with).
+
+Notation: ``T`` is a fitting candidate's step time, ``F`` / ``B`` the forward / backward compute
+(every op runs once, so ``T >= F + B``), ``cap = mem_limit``; ``d_a``, ``h_a`` are activation
+``a``'s D2H / H2D seconds and ``r_a`` the cost of its recompute chain when every other
+activation is available (``recompute_chain`` only grows when more activations are recomputed,
+so every realised chain of ``a`` costs at least ``r_a``).
+
+**Cut bound.** Take a cut ``c``: the RUN instruction of one op, issued at compute time ``θ``.
+The simulator's timed memory curve is the running sum of (issue time, instruction) ordered
+allocations and (free time, last reader + 1/2) ordered frees, and its maximum is ``peak_bytes``.
+Issue times grow along program order, so the events ordered before and at ``c``'s allocations
+form a prefix of that curve and their sum is at most the peak. Compared with the in-core plan
+(every activation kept), whose program-order memory at ``c`` is ``M_c`` (resident included),
+that prefix lacks only activations that are *evicted at c*:
+
+* at a forward cut, an activation whose last forward reader precedes ``c`` and that is
+  recomputed, or swapped with its D2H copy ended by ``θ`` (its storage is freed when both its
+  readers and its copy are done);
+* at a backward cut, an activation first read after ``c`` that is recomputed (its copy is
+  made just before its first reader), or swapped with its D2H copy ended by ``θ`` and its
+  prefetch issued after ``c`` (a prefetch allocates when issued);
+
+and, at a backward cut, a swapped activation already brought back holds ``transfer_bytes``
+rather than its storage's bytes (``slack``). Every other device instance of the in-core plan
+is allocated by the same op and last read by the same op in every plan. So a fitting plan
+evicts bytes ``>= e_c = M_c - cap - slack`` at ``c``. Let ``X`` be the swapped evictees and
+``Y`` the recomputed ones. Then
+
+* ``θ >= P_c``, the compute before ``c`` (plus the chains of recomputes read before ``c``),
+  and ``θ >= D(X)``: the D2H stream ran those copies one at a time before ``θ``;
+* after ``θ`` compute runs the rest of the forward ``G_c``, then the backward after ``c``
+  ``Q_c`` and the chains of ``Y`` (they run at their first reader, after ``c``);
+* every prefetch of ``X`` is issued after the forward ends (after ``c`` for a backward cut),
+  so the H2D stream is busy ``H(X)`` after ``θ + G_c``.
+
+Hence ``T >= max(P_c, D(X)) + G_c + max(Q_c + R(Y), H(X))``. Besides, compute waits for the
+copies of ``X`` first read by op ``k`` or earlier before it runs ``k``, so
+``T >= max(P_c, D(X)) + G_c + H(X ∩ read by k) + tail_k`` (``tail_k``: compute from ``k`` on) for
+each backward op ``k``; the bound takes the largest over a few ``k``. Minimising over every split
+of the evicted bytes, each activation allowed fractionally and, to relax further, as both
+swapped and recomputed, gives a convex piecewise-linear problem in the swapped byte count
+``s``: ``min_s max(P, D*(s)) + G + max(Q + R*(e - s), H*(s))``, with ``D*``, ``H*``, ``R*``
+the cheapest-first (fractional knapsack) curves. Its minimum lies at a breakpoint of a curve or
+where the two sides of a ``max`` cross, and is found exactly. No split reaches ``e``: no plan
+fits (the bound is infinite). This holds for any number of forward/backward pairs: the
+argument uses program order only. For a partial plan, kept activations leave the candidates,
+recomputed ones are evicted for sure, and ``r_a`` is priced with the decided recomputes (its
+chain passes through them).
+
+**Keep completion.** For a partial plan, set every undecided activation to keep and simulate
+it with no memory limit and every prefetch issued at the start of its graph's backward
+(``Evaluator.unconstrained_time``). Every completion ``d`` of the partial plan takes at least
+that long when the H2D order of the decided swaps does not depend on the completion:
+
+1. ``evaluate(d).step_time >= unconstrained_time(d)``: a memory limit only adds waits, and
+   prefetches issued earlier (all earlier placements keep the H2D order, which is by first
+   use) start no later; every stream time is a max / sum of earlier ones (induction).
+2. Turning a swap of ``d`` into a keep removes one D2H copy, one H2D copy and one wait and
+   leaves the H2D order of the rest: no time grows. Turning a recompute into a keep removes
+   its chain and shrinks the chains through it; a swapped activation those chains read may get
+   a later first use, which moves its wait later (never slower: ``max(t, ready) + s >=
+   max(t + s, ready)``) but may also move its copy later in the H2D FIFO, behind a copy that is
+   released late, which is *not* monotone. So the bound is claimed only when the H2D order of
+   the decided swaps is the same in every completion.
+
+``keep_completion_is_bound`` checks that: each decided swap's first use lies between the one of
+the keep completion and the earliest any completion could give it (chains through every
+undecided activation), and the order is fixed when those intervals do not interleave.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..graph import Phase
+from ..schedule import Decision, Kind, NotRecomputable, recompute_chain
+from ..simulator import static_memory
+from .common import Evaluator
+
+log = logging.getLogger("fxpooch.planner.bounds")
+
+Partial = Sequence[Decision | None]  # per activation; None: not decided yet
+#: per cut, the earliest first readers of swap candidates used as deadlines (each costs a solve)
+DEADLINES = 3
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The RUN of op ``op``: where the in-core plan's memory exceeds the limit by ``excess``."""
+
+    op: int
+    backward: bool
+    before: float  # compute issued before the cut
+    between: float  # forward compute from the cut on (0 for a backward cut)
+    after: float  # backward compute from the cut on
+    excess: int  # bytes a fitting plan has evicted at the cut
+    candidates: tuple[int, ...]  # activations whose eviction counts there
+
+
+class _Curve:
+    """Cheapest-first cost of ``x`` bytes from items ``(seconds, bytes)``, each divisible."""
+
+    def __init__(self, items: Sequence[tuple[float, int]]):
+        self.xs, self.ys = [0.0], [0.0]
+        for cost, nbytes in sorted((it for it in items if it[1] > 0), key=lambda it: it[0] / it[1]):
+            self.xs.append(self.xs[-1] + nbytes)
+            self.ys.append(self.ys[-1] + cost)
+
+    @property
+    def capacity(self) -> float:
+        return self.xs[-1]
+
+    def __call__(self, x: float) -> float:
+        if x <= 0.0:
+            return 0.0
+        k = min(bisect.bisect_left(self.xs, x), len(self.xs) - 1)
+        x0, x1, y0, y1 = self.xs[k - 1], self.xs[k], self.ys[k - 1], self.ys[k]
+        return y1 if x >= x1 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def split_bound(before: float, between: float, after: float, excess: float,
+                swap: Sequence[tuple[float, float, int, int]], recompute: Sequence[tuple[float, int]],
+                tails: Sequence[tuple[int, float]] = ()) -> float:
+    """``min max(before, D) + between + max(after + R, H_k + tail_k)`` over fractional evictions
+    of ``excess`` bytes, for the level ``(k, tail_k)`` where it is largest.
+
+    ``swap``: ``(d2h seconds, h2d seconds, bytes, first reader)`` per swappable candidate;
+    ``recompute``: ``(seconds, bytes)`` per recomputable one. ``H_k`` counts the copies of
+    activations first read by op ``k`` or earlier; ``tail_k`` is the compute from op ``k`` on
+    (those copies end before it starts). The level with every copy and no tail is always
+    included. Infinite when the candidates cannot evict ``excess`` bytes.
+    """
+    if excess <= 0:
+        return before + between + after
+    d, r = _Curve([(x, n) for x, _, n, _ in swap]), _Curve(recompute)
+    lo, hi = max(0.0, excess - r.capacity), min(float(excess), d.capacity)
+    if lo > hi:
+        return math.inf
+    out = 0.0
+    for k, tail in [(math.inf, 0.0), *tails]:
+        h = _Curve([(y if due <= k else 0.0, n) for _, y, n, due in swap])
+
+        def phi(s: float) -> float:
+            return max(before, d(s)) + between + max(after + r(excess - s), h(s) + tail)
+
+        pts = sorted({lo, hi, *(x for x in d.xs + h.xs if lo < x < hi),
+                      *(excess - x for x in r.xs if lo < excess - x < hi)})
+        best = min(phi(s) for s in pts)
+        for a, b in zip(pts, pts[1:]):  # every curve is linear on [a, b]: the sides of a max may cross inside
+            for f in (lambda s: d(s) - before, lambda s: after + r(excess - s) - h(s) - tail):
+                fa, fb = f(a), f(b)
+                if fa * fb < 0:
+                    best = min(best, phi(a + (b - a) * fa / (fa - fb)))
+        out = max(out, best)
+    return out
+
+
+class Bounds:
+    """Per problem: the cuts, each activation's costs, and the bounds built from them."""
+
+    def __init__(self, ev: Evaluator):
+        self.ev = ev
+        graph, costs = ev.graph, ev.problem.costs
+        acts = graph.activations
+        self.nbytes = [graph.buffers[a.buffer].nbytes for a in acts]
+        readers = [graph.backward_readers(a) for a in acts]
+        self.first_reader = [r[0] if r else None for r in readers]
+        self.d2h = [costs.d2h_time[a] if act.swappable else math.inf for a, act in enumerate(acts)]
+        self.h2d = [costs.h2d_time[a] if readers[a] else 0.0 for a in range(len(acts))]
+        self.compute = sum(costs.op_time)
+        self.suffix = [0.0] * (len(graph.ops) + 1)  # compute from each op to the end of the step
+        for o in reversed(range(len(graph.ops))):
+            self.suffix[o] = self.suffix[o + 1] + costs.op_time[o]
+        self.cuts = self._cuts(ev.all_keep())
+        log.debug("%d cuts over %d ops", len(self.cuts), len(graph.ops))
+
+    def recompute_costs(self, decided: Partial) -> list[float]:
+        """Per activation: the least its recompute chain costs in any completion of ``decided``
+        (undecided ones kept; infinite where no completion can recompute it)."""
+        keep = [Decision.KEEP if d is None else d for d in decided]
+        out = []
+        for a, d in enumerate(decided):
+            if self.first_reader[a] is None:  # never read in the backward: a recompute runs nothing
+                out.append(0.0)
+                continue
+            trial = keep if d is Decision.RECOMPUTE else [*keep[:a], Decision.RECOMPUTE, *keep[a + 1:]]
+            try:
+                chain = recompute_chain(self.ev.graph, a, trial, self.ev.owner)
+            except NotRecomputable:
+                out.append(math.inf)
+                continue
+            out.append(sum(self.ev.problem.costs.op_time[o] for o in chain))
+        return out
+
+    def _cuts(self, keep: Sequence[Decision]) -> list[Cut]:
+        """One cut per set of candidates: the op where the in-core plan exceeds the limit most."""
+        graph, ev = self.ev.graph, self.ev
+        sched = ev.evaluate(keep, early_prefetch=False).schedule
+        at = {ins.op: i for i, ins in enumerate(sched.instrs) if ins.kind is Kind.RUN}  # op -> its RUN
+        mem = static_memory(sched)
+        instance = {buf: x for x, buf in enumerate(sched.instance_buffer)}
+        born = [-1] * len(sched.instance_bytes)
+        last_forward = [-1] * len(sched.instance_bytes)
+        for i, ins in enumerate(sched.instrs):
+            for x in ins.allocs:
+                born[x] = i if born[x] < 0 else born[x]
+            if graph.ops[ins.op].phase is Phase.FORWARD:
+                for x in ins.allocs + ins.reads:
+                    last_forward[x] = i
+        acts = graph.activations
+        span = []  # per activation, as instruction indices of the in-core plan: (alloc, last reader, last forward use)
+        for act in acts:
+            x = instance[act.buffer]
+            span.append((born[x], -1 if sched.persistent[x] else sched.last_reader[x],
+                         max(last_forward[x], *(at[m] for m in act.members))))
+        prefix = [0.0]
+        for t in ev.problem.costs.op_time:
+            prefix.append(prefix[-1] + t)
+        forward_end = max(stop for _, stop in graph.forward_range)
+        base = graph.resident_bytes - ev.problem.mem_limit
+        chosen: dict[tuple[int, ...], Cut] = {}
+        for c in range(len(graph.ops)):
+            i = at[c]
+            backward = c >= forward_end
+            live = [a for a in range(len(acts)) if span[a][0] <= i <= span[a][1]]
+            if backward:
+                cand = tuple(a for a in live if self.first_reader[a] is not None and self.first_reader[a] > c)
+                slack = sum(max(0, self.nbytes[a] - acts[a].transfer_bytes) for a in live if acts[a].swappable)
+            else:
+                cand = tuple(a for a in live if span[a][2] < i)
+                slack = 0
+            excess = int(base + mem[i] - slack)
+            old = chosen.get(cand)
+            if excess > 0 and (old is None or excess > old.excess):
+                between = prefix[forward_end] - prefix[c] if not backward else 0.0
+                chosen[cand] = Cut(c, backward, prefix[c], between, prefix[-1] - prefix[c] - between, excess, cand)
+        return list(chosen.values())
+
+    def cut_bound(self, cut: Cut, decided: Partial, recompute: Sequence[float]) -> float:
+        """The cut's bound over every completion of ``decided`` (``recompute``: ``recompute_costs``)."""
+        before, after, excess = cut.before, cut.after, cut.excess
+        members = set(cut.candidates)
+        for a, d in enumerate(decided):
+            if d is not Decision.RECOMPUTE:
+                continue
+            if a in members:  # evicted at the cut for sure
+                excess -= self.nbytes[a]
+                after += recompute[a]
+            elif cut.backward and self.first_reader[a] is not None and self.first_reader[a] <= cut.op:
+                before += recompute[a]
+            else:
+                after += recompute[a]
+        swap = [(self.d2h[a], self.h2d[a], self.nbytes[a], self.first_reader[a]) for a in cut.candidates
+                if decided[a] in (None, Decision.SWAP) and self.d2h[a] < math.inf]
+        rec = [(recompute[a], self.nbytes[a]) for a in cut.candidates if decided[a] is None and recompute[a] < math.inf]
+        dues = sorted({due for *_, due in swap})[:DEADLINES]
+        return split_bound(before, cut.between, after, excess, swap, rec, [(k, self.suffix[k]) for k in dues])
+
+    def bound(self, decided: Partial | None = None) -> float:
+        """A lower bound on the step time of every fitting plan that agrees with ``decided``.
+
+        Infinite when none fits. With nothing decided it bounds every plan.
+        """
+        decided = [None] * len(self.nbytes) if decided is None else decided
+        recompute = self.recompute_costs(decided)
+        out = self.compute + sum(recompute[a] for a, d in enumerate(decided) if d is Decision.RECOMPUTE)
+        for cut in self.cuts:
+            if out == math.inf:
+                break
+            out = max(out, self.cut_bound(cut, decided, recompute))
+        return out
+
+    def keep_completion_is_bound(self, decided: Partial) -> bool:
+        """Is the H2D order of the decided swaps the same in every completion of ``decided``?
+
+        It is by first use; each decided swap's first use lies between the one the keep
+        completion gives it and the earliest any completion could (chains through every
+        undecided activation). The order is fixed when those intervals do not interleave.
+        """
+        swaps = [a for a, d in enumerate(decided) if d is Decision.SWAP and self.first_reader[a] is not None]
+        if len(swaps) < 2:
+            return True
+        earliest = self._first_uses(decided, lambda d: d is None or d is Decision.RECOMPUTE)
+        latest = self._first_uses(decided, lambda d: d is Decision.RECOMPUTE)
+        spans = sorted((earliest.get(a, self.first_reader[a]), a, latest.get(a, self.first_reader[a])) for a in swaps)
+        return all((hi, a) < (lo, b) for (_, a, hi), (lo, b, _) in zip(spans, spans[1:]))
+
+    def _first_uses(self, decided: Partial, recomputed) -> dict[int, int]:
+        """Swapped activation -> the earliest first reader of a recompute chain that reads it,
+        chains passing through every activation for which ``recomputed(decision)`` holds."""
+        graph, owner = self.ev.graph, self.ev.owner
+        out: dict[int, int] = {}
+        for b, d in enumerate(decided):
+            if not recomputed(d) or self.first_reader[b] is None:
+                continue
+            own = set(graph.activations[b].members)
+            seen: set[int] = set()
+            stack = list(own)
+            while stack:
+                x = stack.pop()
+                if x in seen:
+                    continue
+                if x not in own and x in graph.saved and (x not in owner or not recomputed(decided[owner[x]])):
+                    continue
+                op = graph.ops[x]
+                if op.phase is not Phase.FORWARD or op.target == "placeholder":
+                    continue
+                seen.add(x)
+                stack.extend(op.recompute_args)
+            for a in {owner[y] for o in seen for y in graph.ops[o].recompute_args if y in owner} - {b}:
+                if decided[a] is Decision.SWAP:
+                    out[a] = min(out.get(a, self.first_reader[a]), self.first_reader[b])
+        return out
+
+
+def lower_bound(ev: Evaluator) -> float:
+    """A step time no fitting plan beats: the largest cut bound, at least the in-core compute."""
+    return Bounds(ev).bound()
