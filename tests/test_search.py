@@ -188,6 +188,7 @@ def test_exact_on_zoo_graphs_bounds_the_heuristics(name, hardware, fraction):
     assert lower_bound(Evaluator(prob)) <= best.step_time * (1 + 1e-12)
     for planner in ("pooch", "local"):
         assert get_planner(planner)(prob).step_time >= best.step_time * (1 - 1e-12), planner
+    assert get_planner("local")(prob).step_time <= best.step_time * 1.03  # within 3% of the optimum
 
 
 def test_exact_refuses_large_graphs():

@@ -208,8 +208,10 @@ def keep_from_output_side(ev: Evaluator, start: Candidate, options: PoochOptions
     return best
 
 
-def plan_pooch(problem: Problem, options: PoochOptions = PoochOptions(), name: str = "pooch") -> Candidate:
-    ev = Evaluator(problem)
+def plan_pooch(problem: Problem, options: PoochOptions = PoochOptions(), name: str = "pooch",
+               ev: Evaluator | None = None) -> Candidate:
+    """``ev``: an evaluator of ``problem`` to share (and fill) its cache of simulated plans."""
+    ev = Evaluator(problem) if ev is None else ev
     in_core = ev.evaluate(ev.all_keep())
     if in_core is not None and in_core.fits:
         return in_core
