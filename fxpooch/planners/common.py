@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -88,13 +89,18 @@ def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
 
 
 class Evaluator:
-    """Decisions -> simulated candidate, memoised; every planner judges plans through this."""
+    """Decisions -> simulated candidate, memoised; every planner judges plans through this.
 
-    def __init__(self, problem: Problem):
+    The ``cache_size`` most recently used candidates are kept (each holds its schedule and
+    timeline: about a megabyte for a step of 4,000 instructions); searches revisit recent plans.
+    """
+
+    def __init__(self, problem: Problem, cache_size: int = 256):
         self.problem = problem
         self.graph = problem.graph
         self.owner = member_owner(problem.graph)
-        self._cache: dict[tuple[tuple[Decision, ...], bool], Candidate | None] = {}
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple[tuple[Decision, ...], bool], Candidate | None] = OrderedDict()
         self._free_time: dict[tuple[Decision, ...], float] = {}
         self.evaluations = 0
 
@@ -105,9 +111,13 @@ class Evaluator:
     def evaluate(self, decisions: Sequence[Decision], early_prefetch: bool = True) -> Candidate | None:
         """The simulated plan, or None when a recompute decision cannot be realised."""
         key = (tuple(decisions), early_prefetch)
-        if key not in self._cache:
-            self._cache[key] = self._evaluate(key[0], early_prefetch)
-        return self._cache[key]
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        candidate = self._cache[key] = self._evaluate(key[0], early_prefetch)
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return candidate
 
     def _evaluate(self, decisions: tuple[Decision, ...], early: bool) -> Candidate | None:
         try:
