@@ -160,13 +160,17 @@ class Evaluator:
         return tuple(Decision.SWAP if a.swappable else Decision.KEEP for a in self.graph.activations)
 
     def all_recompute(self) -> tuple[Decision, ...]:
-        """Recompute wherever possible (each chain then starts from kept values), swap the rest."""
-        decisions = list(self.all_swap())
+        """Recompute wherever possible (each chain then starts from kept values), swap the rest.
+
+        Each activation is checked once: recomputing ``a`` as well extends another's chain only
+        by ``a``'s own chain, so if that one is realisable the others stay so.
+        """
+        fallback = self.all_swap()
+        decisions = list(fallback)
         for a in range(len(decisions)):
-            trial = decisions.copy()
-            trial[a] = Decision.RECOMPUTE
-            if all(self.can_recompute(b, trial) for b, d in enumerate(trial) if d is Decision.RECOMPUTE):
-                decisions = trial
+            decisions[a] = Decision.RECOMPUTE
+            if not self.can_recompute(a, decisions):
+                decisions[a] = fallback[a]
         return tuple(decisions)
 
     def floor(self) -> Candidate:
