@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 from unittest import mock
 
 import pytest

@@ -5,12 +5,12 @@ import bisect
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import InfeasibleMemoryLimit
-from ..graph import Phase, StepGraph
+from ..graph import StepGraph
 from ..schedule import (Decision, Kind, NotRecomputable, Schedule, build_schedule, can_recompute, member_owner,
                         move_prefetches)
 from ..simulator import Costs, Timeline, simulate, static_memory

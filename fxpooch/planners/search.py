@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..errors import FxpoochError, InfeasibleMemoryLimit
 from ..schedule import Decision
 from . import register
-from .bounds import Bounds, lower_bound
+from .bounds import Bounds
 from .common import Candidate, Evaluator, Problem, require_fit
 from .pooch import plan_pooch
 
