@@ -102,7 +102,12 @@ class Evaluator:
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[tuple[Decision, ...], bool], Candidate | None] = OrderedDict()
         self._free_time: dict[tuple[Decision, ...], float] = {}
-        self.evaluations = 0
+        self.evaluations = 0  # decision vectors simulated under the limit (cache misses)
+
+    @property
+    def simulations(self) -> int:
+        """Plans judged so far, with or without the limit: what search budgets count."""
+        return self.evaluations + len(self._free_time)
 
     @property
     def budget(self) -> int:

@@ -32,13 +32,31 @@ class PoochOptions:
     max_exhaustive: int = 10
     #: run step 2 (swap -> recompute); False gives the paper's "swap-opt"
     recompute: bool = True
-    #: CPU seconds (this process's, so other load on the machine does not change the plan) for
-    #: each of the two search steps; past it the best plan so far is kept (the exhaustive part
-    #: of step 1 is exponential in |L_I|)
-    step_budget: float = 20.0
+    #: simulations each of the two search steps may run; past it the best plan so far is kept
+    #: (the exhaustive part of step 1 is exponential in |L_I|). A count, not a time, so a plan
+    #: does not depend on the machine or its load; the zoo's graphs need at most about 1,000.
+    step_simulations: int = 5000
+    #: CPU seconds after which a step stops anyway (a guard for very large graphs)
+    step_seconds: float = 120.0
     #: when swap-all does not fit: activations smaller than this fraction of the limit are
     #: tried as one group before the one-by-one pass (each pass step costs a simulation)
     small_fraction: float = 1e-3
+
+
+@dataclass
+class _Budget:
+    """What one search step may still spend: simulations (and a CPU-time guard)."""
+
+    ev: Evaluator
+    simulations: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        self.stop_at = self.ev.simulations + self.simulations
+        self.deadline = time.process_time() + self.seconds
+
+    def spent(self) -> bool:
+        return self.ev.simulations >= self.stop_at or time.process_time() > self.deadline
 
 
 def _better(a: Candidate | None, b: Candidate | None) -> bool:
@@ -68,7 +86,7 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     scan = [a for a in l_o if a not in set(l_i)]
     log.debug("L_O=%d L_I=%d scan=%d", len(l_o), len(l_i), len(scan))
 
-    deadline = time.process_time() + options.step_budget
+    budget = _Budget(ev, options.step_simulations, options.step_seconds)
 
     def leaf(decisions: list[Decision]) -> Candidate | None:
         """Best of keeping the first k of ``scan`` as well, over the k that fit.
@@ -91,7 +109,7 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
         if not fits_with(0):
             return None
         lo, hi = 0, len(scan)  # k = lo fits; find the largest that does
-        while lo < hi and time.process_time() < deadline:
+        while lo < hi and not budget.spent():
             mid = (lo + hi + 1) // 2
             if fits_with(mid):
                 lo = mid
@@ -103,8 +121,8 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     base = list(start.decisions)
     if len(l_i) <= options.max_exhaustive:
         for bits in itertools.product((Decision.SWAP, Decision.KEEP), repeat=len(l_i)):
-            if time.process_time() > deadline:
-                log.info("step 1 stopped at its time budget (%.0f CPU s)", options.step_budget)
+            if budget.spent():
+                log.info("step 1 stopped at its budget")
                 break
             d = base.copy()
             for a, choice in zip(l_i, bits):
@@ -114,7 +132,7 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
                 best = c
     else:  # greedy over L_I, largest stall first; L_O \\ L_I scanned once at the end
         for a in sorted(l_i, key=lambda a: -tl.stall[a]):
-            if time.process_time() > deadline:
+            if budget.spent():
                 break
             d = list(best.decisions)
             d[a] = Decision.KEEP
@@ -126,7 +144,7 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     return best
 
 
-def step2_swap_to_recompute(ev: Evaluator, start: Candidate, budget: float = math.inf) -> Candidate:
+def step2_swap_to_recompute(ev: Evaluator, start: Candidate, options: PoochOptions = PoochOptions()) -> Candidate:
     """Convert swaps to recomputes while r(X) < 1, smallest r(X) first.
 
     r(X) is re-evaluated against the current plan only for the activation at the head of a
@@ -136,7 +154,7 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate, budget: float = mat
     conversion costs two simulations per swapped activation.
     """
     current = start
-    deadline = time.process_time() + budget
+    budget = _Budget(ev, options.step_simulations, options.step_seconds)
 
     def ratio(a: int) -> float:
         rec = list(current.decisions)
@@ -154,12 +172,12 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate, budget: float = mat
 
     queue = []
     for a, d in enumerate(current.decisions):
-        if d is Decision.SWAP and time.process_time() < deadline:
+        if d is Decision.SWAP and not budget.spent():
             queue.append((ratio(a), a))
     queue = [(r, a) for r, a in queue if r < 1.0]
     heapq.heapify(queue)
     conversions = 0
-    while queue and time.process_time() < deadline:
+    while queue and not budget.spent():
         _, a = heapq.heappop(queue)
         fresh = ratio(a)
         if fresh >= 1.0:
@@ -222,7 +240,7 @@ def plan_pooch(problem: Problem, options: PoochOptions = PoochOptions(), name: s
         start = keep_from_output_side(ev, require_fit(ev, ev.floor(), name), options)
     best = step1_keep_or_swap(ev, start, options)
     if options.recompute:
-        best = step2_swap_to_recompute(ev, best, options.step_budget)
+        best = step2_swap_to_recompute(ev, best, options)
     log.info("%s: %d evaluations, step %.3g s (swap-all %.3g s)", name, ev.evaluations, best.step_time,
              start.step_time)
     return best
