@@ -6,10 +6,10 @@ a value dies after its last reader in program order.
 """
 from __future__ import annotations
 
-import enum
-from collections.abc import Sequence
 import dataclasses
+import enum
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -67,6 +67,14 @@ def recompute_chain(graph: StepGraph, a: int, decisions: Sequence[Decision],
     Raises NotRecomputable if the chain needs an unsaved input or an op that is random or mutates.
     """
     owner = member_owner(graph) if owner is None else owner
+    return tuple(sorted(chain_ops(graph, a, lambda b: decisions[b] is Decision.RECOMPUTE, owner)))
+
+
+def chain_ops(graph: StepGraph, a: int, recomputed: Callable[[int], bool], owner: dict[int, int],
+              strict: bool = True) -> set[int]:
+    """The forward ops reached from ``a``'s members through saved values of activations for which
+    ``recomputed(activation)`` holds. ``strict``: raise NotRecomputable at an unsaved input or a
+    random or mutating op; otherwise stop there."""
     own = set(graph.activations[a].members)
     chain: set[int] = set()
     stack = list(own)
@@ -74,16 +82,18 @@ def recompute_chain(graph: StepGraph, a: int, decisions: Sequence[Decision],
         x = stack.pop()
         if x in chain:
             continue
-        if x not in own and x in graph.saved and (x not in owner or decisions[owner[x]] is not Decision.RECOMPUTE):
+        if x not in own and x in graph.saved and (x not in owner or not recomputed(owner[x])):
             continue  # available in the backward
         op = graph.ops[x]
         if op.phase is not Phase.FORWARD or op.target == "placeholder":
+            if not strict:
+                continue
             raise NotRecomputable(f"{graph.activations[a].name}: needs unsaved input {op.name}")
-        if not op.recomputable:
+        if strict and not op.recomputable:
             raise NotRecomputable(f"{graph.activations[a].name}: {op.name} ({op.target}) is random or mutating")
         chain.add(x)
         stack.extend(op.recompute_args)
-    return tuple(sorted(chain))
+    return chain
 
 
 def can_recompute(graph: StepGraph, a: int, decisions: Sequence[Decision], owner=None) -> bool:

@@ -78,7 +78,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..graph import Phase
-from ..schedule import Decision, Kind, NotRecomputable, recompute_chain
+from ..schedule import Decision, Kind, NotRecomputable, chain_ops, recompute_chain
 from ..simulator import static_memory
 from .common import Evaluator
 
@@ -298,20 +298,7 @@ class Bounds:
         for b, d in enumerate(decided):
             if not recomputed(d) or self.first_reader[b] is None:
                 continue
-            own = set(graph.activations[b].members)
-            seen: set[int] = set()
-            stack = list(own)
-            while stack:
-                x = stack.pop()
-                if x in seen:
-                    continue
-                if x not in own and x in graph.saved and (x not in owner or not recomputed(decided[owner[x]])):
-                    continue
-                op = graph.ops[x]
-                if op.phase is not Phase.FORWARD or op.target == "placeholder":
-                    continue
-                seen.add(x)
-                stack.extend(op.recompute_args)
+            seen = chain_ops(graph, b, lambda c: recomputed(decided[c]), owner, strict=False)
             for a in {owner[y] for o in seen for y in graph.ops[o].recompute_args if y in owner} - {b}:
                 if decided[a] is Decision.SWAP:
                     out[a] = min(out.get(a, self.first_reader[a]), self.first_reader[b])
