@@ -34,8 +34,9 @@ class PoochOptions:
     recompute: bool = True
     #: simulations each of the two search steps may run; past it the best plan so far is kept
     #: (the exhaustive part of step 1 is exponential in |L_I|). A count, not a time, so a plan
-    #: does not depend on the machine or its load; the zoo's graphs need at most about 1,000.
-    step_simulations: int = 5000
+    #: does not depend on the machine or its load. An exhaustive step 1 (|L_I| = 10) needs about
+    #: 10,000; step 2 on the zoo's graphs about 1,000.
+    step_simulations: int = 20000
     #: CPU seconds after which a step stops anyway (a guard for very large graphs)
     step_seconds: float = 120.0
     #: when swap-all does not fit: activations smaller than this fraction of the limit are
