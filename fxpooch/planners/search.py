@@ -138,7 +138,7 @@ def plan_exact(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     so a recompute chain through earlier recomputes is known when it is priced; a subtree is cut when the
     bound on its completions (``Bounds.bound``, and the keep completion where it is a bound,
     see fxpooch.planners.bounds) is no better than the best plan found, which starts as the
-    ``local`` planner's. Ties keep the first plan found, so the result is an optimum, not
+    plan of PoocH improved by local search. Ties keep the first plan found, so the result is an optimum, not
     necessarily the same vector as exhaustive enumeration would return.
     """
     n = len(problem.graph.activations)
