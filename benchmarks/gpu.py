@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib.util
 import json
 import logging
 import re
@@ -35,17 +34,12 @@ from torch.utils.checkpoint import checkpoint
 
 import fxpooch
 from fxpooch import _torch_compat as compat
+from fxpooch import models as zoo
 from fxpooch.memory import Margin
 from fxpooch.units import format_bytes, parse_bytes
 
 log = logging.getLogger("fxpooch.bench.gpu")
 HERE = Path(__file__).resolve().parent
-
-
-# benchmarks/zoo.py under a unique module name (tests/zoo.py is also "zoo"); dataclasses need it in sys.modules
-_spec = importlib.util.spec_from_file_location("fxpooch_benchmarks_zoo", HERE / "zoo.py")
-zoo = sys.modules.setdefault(_spec.name, importlib.util.module_from_spec(_spec))
-_spec.loader.exec_module(zoo)
 
 RATIOS = (3.0, 2.0, 1.5)  # in-core peak / limit; 3x first: the targets are there
 SLOWDOWN_TARGET = {"resnet50": 1.15, "gpt2": 1.05}  # pooch step time / in-core at limit = in-core / 3

@@ -34,7 +34,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ is not a package
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # a checkout without install
 
-from zoo import MODELS  # noqa: E402
+from fxpooch.models import MODELS  # noqa: E402
 
 from fxpooch import _torch_compat as compat  # noqa: E402
 from fxpooch.capture import Recorder, capture_step  # noqa: E402

@@ -24,7 +24,7 @@ from tabulate import tabulate
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-import zoo  # noqa: E402
+from fxpooch import models as zoo  # noqa: E402
 
 import fxpooch  # noqa: E402
 from fxpooch.errors import InfeasibleMemoryLimit  # noqa: E402

@@ -34,7 +34,6 @@ EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
 DEFAULT_OUT = "fxpooch-out"
 PROGRESS_AFTER_S = 2.0  # steps running longer than this get a line on stderr
-_ZOO_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "zoo.py"
 
 
 class CliError(Exception):
@@ -58,20 +57,6 @@ def progress(what: str, after: float = PROGRESS_AFTER_S) -> Iterator[None]:
 
 
 # -- models ------------------------------------------------------------------------------------
-def _bench_zoo() -> Any:
-    """``benchmarks/zoo.py`` of the source checkout (``benchmarks`` is not a package)."""
-    name = "fxpooch_benchmarks_zoo"
-    if name in sys.modules:
-        return sys.modules[name]
-    if not _ZOO_PATH.exists():
-        return None
-    spec = importlib.util.spec_from_file_location(name, _ZOO_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
 def _import_module(ref: str) -> Any:
     if ref.endswith(".py") or os.sep in ref or "/" in ref:
         path = Path(ref)
@@ -92,7 +77,7 @@ def _import_module(ref: str) -> Any:
 
 
 def load_model(ref: str, batch: int | None, device: str | None) -> tuple[Any, Any, str]:
-    """``ref`` (a benchmarks zoo name or ``module:factory``) -> (model, example input, label).
+    """``ref`` (a model of :mod:`fxpooch.models` or ``module:factory``) -> (model, example input, label).
 
     A factory returns ``(model, example_input)`` or a model; in the latter case the module must
     define ``example_input(batch)`` (or ``example_input()``). ``batch`` is passed to the factory
@@ -101,12 +86,11 @@ def load_model(ref: str, batch: int | None, device: str | None) -> tuple[Any, An
     import torch
 
     if ":" not in ref:
-        zoo = _bench_zoo()
-        if zoo is None:
-            raise CliError(f"model {ref!r}: the benchmarks zoo is only in a source checkout; pass module:factory")
-        if ref not in zoo.MODELS:
-            raise UnknownName("model", ref, list(zoo.MODELS) + ["<module>:<factory>"])
-        spec = zoo.MODELS[ref]
+        from .models import MODELS
+
+        if ref not in MODELS:
+            raise UnknownName("model", ref, list(MODELS) + ["<module>:<factory>"])
+        spec = MODELS[ref]
         dev = torch.device(device or "meta")
         with torch.device(dev):
             model = spec.build()
@@ -318,7 +302,7 @@ def _parser() -> argparse.ArgumentParser:
     for name, helptext in (("plan", "plan one model: print the plan, write its trace and memory SVG"),
                            ("compare", "every registered planner on one model, side by side")):
         p = sub.add_parser(name, parents=[verbose], help=helptext)
-        p.add_argument("model", help="a benchmarks zoo model (resnet50, gpt2, ...) or module:factory "
+        p.add_argument("model", help="a model of fxpooch.models (resnet50, gpt2, ...) or module:factory "
                                      "(a module name or a .py path; the factory returns (model, example_input))")
         p.add_argument("--mem-limit", required=True, help="bytes ('8GiB', '500MB') or percent of the in-core peak ('60%%')")
         p.add_argument("--batch", type=int, default=None, help="batch size (zoo default if left out)")

@@ -1,4 +1,4 @@
-"""Shape sanity checks of the benchmark models in ``benchmarks/zoo.py``, on the meta device.
+"""Shape sanity checks of the benchmark models in ``fxpooch/models.py``, on the meta device.
 
 Everything is built *and* run under ``with torch.device("meta")``: no memory is
 allocated and no arithmetic is done, so even the full-size models check in
@@ -6,30 +6,13 @@ milliseconds.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-_ZOO_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "zoo.py"
-_MODULE_NAME = "fxpooch_benchmarks_zoo"  # unique: tests/zoo.py is importable as "zoo"
+from fxpooch import models as bz
 
-
-def _load_bench_zoo():
-    """Import ``benchmarks/zoo.py`` by path (``benchmarks`` is not a package)."""
-    if _MODULE_NAME in sys.modules:
-        return sys.modules[_MODULE_NAME]
-    spec = importlib.util.spec_from_file_location(_MODULE_NAME, _ZOO_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[_MODULE_NAME] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-bz = _load_bench_zoo()
 META = torch.device("meta")
 
 

@@ -118,3 +118,19 @@ def test_dump_graphs(tmp_path, monkeypatch):
     assert names == sorted(f"g1-{ph}-{st}.py" for ph in ("forward", "backward") for st in ("before", "after"))
     text = (tmp_path / "dumps" / "g1-forward-after.py").read_text()
     assert "graph 1 forward, after" in text and "FX IR" in text
+
+
+def test_cli_models_are_part_of_the_installed_package(tmp_path):
+    """``plan resnet50`` reads fxpooch.models, which the package ships (with py.typed), not a checkout file."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "fxpooch" in config["packages"] and "py.typed" in config["package-data"]["fxpooch"]
+    assert (REPO / "fxpooch" / "py.typed").exists()
+    r = subprocess.run([sys.executable, "-c", "import fxpooch.__main__ as m, fxpooch.models as z, sys; "
+                        "print(z.__file__); m.load_model('resnet50', 2, None); "
+                        "print(sorted(k for k in sys.modules if 'zoo' in k))"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    models_file, zoo_modules = r.stdout.splitlines()
+    assert Path(models_file).parent == REPO / "fxpooch" and zoo_modules == "[]"
