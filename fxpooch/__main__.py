@@ -225,7 +225,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan.profile.save(args.save_profile)
         print(f"saved the profile to {args.save_profile}")
     with progress("what-if simulations for the table"):
-        text = plan.table(overheads=False if args.no_what_if else None)
+        text = plan.table(overheads=False if args.no_what_if else None, fold=not args.all_rows)
     print(text)
     for name in args.explain or ():
         print()
@@ -313,7 +313,11 @@ def _parser() -> argparse.ArgumentParser:
         if name == "plan":
             p.add_argument("--planner", default="pooch", help=f"one of {', '.join(PLANNERS)} (default pooch)")
             p.add_argument("--save-profile", metavar="FILE", help="save the profile (JSON) to replan deterministically")
-            p.add_argument("--explain", action="append", metavar="NAME", help="explain one activation's decision")
+            p.add_argument("--explain", action="append", metavar="NAME",
+                           help="explain the decision of one activation (its name in the table) or of the activations "
+                                "one module saved (its path, e.g. layer1.0.bn1); may be repeated")
+            p.add_argument("--all-rows", action="store_true",
+                           help="list every activation (by default the small ones are summed up in one line)")
             p.add_argument("--no-what-if", action="store_true",
                            help="leave the swap / recompute overhead columns out (2 simulations per activation)")
     return parser

@@ -18,7 +18,7 @@ from .errors import InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidProfile, U
 from .graph import NodeTable, StepGraph, build_step_graph
 from .hardware import Hardware, Link, get_hardware
 from .memory import Margin, MemoryModel
-from .plan import Plan, activation_meta, activation_names
+from .plan import Plan, activation_meta, activation_names, module_paths
 from .planners import Problem, get_planner
 from .profile import Profile, ProfileOptions, analytic_profile, measure_link, measure_profile
 from .runtime import HostPool, using_pool
@@ -218,7 +218,7 @@ def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple,
         step_time=candidate.step_time, in_core_time=in_core.step_time, in_core_peak_bytes=in_core.peak_bytes,
         decisions={n: d.value for n, d in zip(activation_names(graph), candidate.decisions)},
         graph=graph, schedule=candidate.schedule, timeline=candidate.timeline, profile=profile,
-        activation_meta=activation_meta(graph, table), margin_bytes=reserve,
+        activation_meta=activation_meta(graph, table), margin_bytes=reserve, module_paths=module_paths(graph, table),
     )
     log.info("planned with %s: peak %d bytes (limit %d), %s", name, plan.peak_bytes, mem_limit, plan.counts())
     return _Planned(plan, graph, table, pairs)

@@ -1,14 +1,17 @@
 """The result a user inspects: decisions, predicted peak and time, a table and per-activation reasons.
 
-``print(plan)`` shows one row per activation (shape, bytes, decision and the numbers behind it:
-stall, late offload, swap / recompute overhead and PoocH's r(X)) then the totals;
-``plan.explain(name)`` answers for one activation. The overheads are what-if simulations (one
+``print(plan)`` shows one row per activation (the module that saved it, shape, bytes, decision and
+the numbers behind it: stall, late offload, swap / recompute overhead and PoocH's r(X)), small
+ones folded into one line, then the totals; ``plan.explain(name)`` answers for one activation or
+one module (see :mod:`fxpooch.explain`). The overheads are what-if simulations (one
 decision changed, the others fixed) made lazily, only for these displays.
 """
 from __future__ import annotations
 
 import logging
 import math
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -26,6 +29,10 @@ log = logging.getLogger("fxpooch.plan")
 
 #: above this many activations the table leaves out the what-if overhead columns (2 simulations each)
 MAX_OVERHEAD_ACTIVATIONS = 300
+#: the table folds activations smaller than this (and than FOLD_FRACTION of the largest) into one line:
+#: normalisation statistics and the like, a few KiB each, which no plan needs to decide about
+FOLD_BELOW_BYTES = 64 * 2**10
+FOLD_FRACTION = 1 / 100
 
 #: (shape, dtype name) of an activation's first saved value
 ActivationMeta = tuple[tuple[int, ...], str]
@@ -35,6 +42,37 @@ def activation_names(graph: StepGraph) -> list[str]:
     """User-facing activation names: the node name, prefixed by its graph when there are several."""
     several = len(graph.forward_range) > 1
     return [f"g{a.graph}.{a.name}" if several else a.name for a in graph.activations]
+
+
+#: dynamo's spellings of a submodule access inside an nn_module_stack path, rewritten to "a.b.0"
+_PATH_REWRITES = ((re.compile(r"getattr\(([^()]*), '([^']*)'\)"), r"\1.\2"),
+                  (re.compile(r"\._modules\['([^']*)'\]"), r".\1"),
+                  (re.compile(r"\[(\d+)\]"), r".\1"),
+                  (re.compile(r"\['([^']*)'\]"), r".\1"))
+_ROOT = re.compile(r"L\['[^']*'\]")
+
+
+def module_path(node_meta: dict) -> str:
+    """The innermost module of a node's ``nn_module_stack`` as ``model.named_modules()`` names it
+    (``layer1.0.bn1``); "" when the node was made by the top-level forward or carries no stack."""
+    stack = node_meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = _ROOT.sub("", path)
+    for pattern, repl in _PATH_REWRITES:
+        while pattern.search(path):
+            path = pattern.sub(repl, path)
+    return path.lstrip(".")
+
+
+def module_paths(graph: StepGraph, table: NodeTable) -> tuple[str, ...]:
+    """The module that saved each activation (for :attr:`Plan.module_paths`)."""
+    out = []
+    for act in graph.activations:
+        path = module_path(table.nodes[act.members[0]].meta) or module_path(table.nodes[act.producer].meta)
+        out.append(path)
+    return tuple(out)
 
 
 def activation_meta(graph: StepGraph, table: NodeTable) -> tuple[ActivationMeta, ...]:
@@ -92,9 +130,16 @@ class Overheads:
         s, c = self.swap_overhead, self.recompute_overhead
         if s is None or c is None:
             return None
-        if s <= 0:
+        if s <= 0:  # swapping costs nothing: infinitely cheaper, unless recomputing is free too
             return math.inf if c > 0 else math.nan
-        return c / s
+        return max(c, 0.0) / s  # recomputing faster than keeping is free (0), not a negative ratio
+
+
+def format_r(r: float | None) -> str:
+    """r(X) for display: ``-`` when it means nothing (an overhead impossible, or neither costs anything)."""
+    if r is None or math.isnan(r):
+        return "-"
+    return "inf" if math.isinf(r) else f"{r:.2f}"
 
 
 def _op_label(target: str) -> str:
@@ -120,6 +165,12 @@ class Plan:
     activation_meta: tuple[ActivationMeta, ...] = field(default=(), repr=False)
     #: device bytes kept free under ``mem_limit`` for the allocator's fragmentation (planned against the rest)
     margin_bytes: int = 0
+    #: per activation (graph order): the path of the module that saved it ("": top level); empty when unknown
+    module_paths: tuple[str, ...] = field(default=(), repr=False)
+
+    def module_of(self, index: int) -> str:
+        """The path of the module that saved activation ``index`` ("" when unknown or top level)."""
+        return self.module_paths[index] if len(self.module_paths) == len(self.graph.activations) else ""
 
     @property
     def static_peak_bytes(self) -> int:
@@ -196,14 +247,19 @@ class Plan:
         return Overheads(keep, results[Decision.SWAP], results[Decision.RECOMPUTE], why_not_swap,
                          why_not_recompute)
 
-    def _index(self, name: str) -> int:
+    def indices(self, name: str) -> list[int]:
+        """Activation indices for ``name``: an activation's name, or a module path (all it saved)."""
         names = activation_names(self.graph)
         if name in names:
-            return names.index(name)
+            return [names.index(name)]
         bare = [i for i, act in enumerate(self.graph.activations) if act.name == name]
         if len(bare) == 1:
-            return bare[0]
-        raise UnknownName("activation", name, names)
+            return bare
+        in_module = [i for i in range(len(names)) if self.module_of(i) == name.strip(".")]
+        if in_module and name.strip("."):
+            return in_module
+        raise UnknownName("activation or module", name,
+                          names + sorted({m for m in self.module_paths if m}))
 
     # -- display -------------------------------------------------------------------------------
     def _meta(self, a: int) -> tuple[str, str]:
@@ -229,12 +285,33 @@ class Plan:
         end = self.timeline.d2h_end.get(a)
         return 0.0 if end is None else max(0.0, end - self.timeline.forward_end)
 
-    def table_rows(self, overheads: bool | None = None) -> tuple[list[str], list[list[str]]]:
-        """Headers and rows of the full table; ``overheads`` None: only up to MAX_OVERHEAD_ACTIVATIONS."""
-        n = len(self.graph.activations)
+    def folded(self) -> list[int]:
+        """Activations too small to matter (under FOLD_BELOW_BYTES and FOLD_FRACTION of the largest):
+        the table shows them as one summary line."""
+        sizes = [self.graph.buffers[act.buffer].nbytes for act in self.graph.activations]
+        below = min(FOLD_BELOW_BYTES, max(sizes, default=0) * FOLD_FRACTION)
+        return [a for a, n in enumerate(sizes) if n < below]
+
+    def _folded_line(self, folded: list[int]) -> str:
+        if not folded:
+            return ""
+        c = Counter(self.schedule.decisions[a].value for a in folded)
+        ops = Counter(_op_label(self.graph.ops[self.graph.activations[a].producer].target) for a in folded)
+        total = sum(self.graph.buffers[self.graph.activations[a].buffer].nbytes for a in folded)
+        largest = max(self.graph.buffers[self.graph.activations[a].buffer].nbytes for a in folded)
+        top = ", ".join(f"{op} x{k}" for op, k in ops.most_common(3)) + (", ..." if len(ops) > 3 else "")
+        return (f"+ {len(folded)} small activations not listed (each at most {format_bytes(largest)}, "
+                f"{format_bytes(total)} in all; {top}): keep {c['keep']} / swap {c['swap']} / "
+                f"recompute {c['recompute']}. plan.table(fold=False) or --all-rows lists them.")
+
+    def table_rows(self, overheads: bool | None = None, fold: bool = True) -> tuple[list[str], list[list[str]]]:
+        """Headers and rows of the table; ``overheads`` None: only up to MAX_OVERHEAD_ACTIVATIONS rows;
+        ``fold``: without the rows of :meth:`folded`."""
+        skip = set(self.folded()) if fold else set()
+        n = len(self.graph.activations) - len(skip)
         with_over = n <= MAX_OVERHEAD_ACTIVATIONS if overheads is None else overheads
         unit, _ = self._time_unit()
-        headers = ["graph", "activation", "op", "shape", "dtype", "bytes", "decision",
+        headers = ["graph", "activation", "module", "op", "shape", "dtype", "bytes", "decision",
                    f"stall {unit}", f"late d2h {unit}"]
         if with_over:
             headers += [f"swap +{unit}", f"recompute +{unit}", "r(X)"]
@@ -243,18 +320,18 @@ class Plan:
         rows = []
         names = activation_names(self.graph)
         for a, (name, act, d) in enumerate(zip(names, self.graph.activations, self.schedule.decisions)):
+            if a in skip:
+                continue
             shape, dtype = self._meta(a)
             swapped = d is Decision.SWAP
-            row = [str(act.graph), name, _op_label(self.graph.ops[act.producer].target), shape, dtype,
+            row = [str(act.graph), name, self.module_of(a) or "-", _op_label(self.graph.ops[act.producer].target), shape, dtype,
                    format_bytes(self.graph.buffers[act.buffer].nbytes), d.value,
                    self._fmt_time(self.timeline.stall.get(a, 0.0)) if swapped else "-",
                    self._fmt_time(self._late_offload(a)) if swapped else "-"]
             if with_over:
                 o = self.overheads(a)
-                r = o.r
                 row += [self._fmt_time(o.swap_overhead, signed=True),
-                        self._fmt_time(o.recompute_overhead, signed=True),
-                        "-" if r is None or math.isnan(r) else ("inf" if math.isinf(r) else f"{r:.2f}")]
+                        self._fmt_time(o.recompute_overhead, signed=True), format_r(o.r)]
             rows.append(row)
         return headers, rows
 
@@ -282,124 +359,35 @@ class Plan:
     def __str__(self) -> str:
         return self.table()
 
-    def table(self, overheads: bool | None = None) -> str:
-        """The activation table and the totals; ``overheads`` as in :meth:`table_rows`."""
-        headers, rows = self.table_rows(overheads)
+    def table(self, overheads: bool | None = None, fold: bool = True) -> str:
+        """The activation table and the totals; ``overheads`` and ``fold`` as in :meth:`table_rows`."""
+        headers, rows = self.table_rows(overheads, fold)
         table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+        folded = self._folded_line(self.folded()) if fold else ""
         unit, _ = self._time_unit()
-        notes = [f"stall: compute waited for the prefetch; late d2h: offload ran past the forward's end ({unit})."]
-        if len(headers) > 9:
+        notes = [f"module: where the model saved it (model.named_modules() path). stall: compute waited for the "
+                 f"prefetch; late d2h: offload ran past the forward's end ({unit})."]
+        if "r(X)" in headers:
             notes.append("swap + / recompute +: simulated step time vs keeping it, the others as planned (negative: "
                          "keeping it leaves less room to prefetch the others early); r(X) = recompute + / swap + "
-                         "(< 1: recomputing is cheaper).")
+                         "(< 1: recomputing is cheaper; 0: recomputing costs nothing; inf: swapping costs nothing; "
+                         "-: neither costs anything, or one is impossible).")
         elif overheads is None:
             notes.append(f"overhead columns left out: {len(rows)} activations > {MAX_OVERHEAD_ACTIVATIONS} "
                          "(each needs 2 simulations); plan.explain(name) gives them for one activation.")
         else:
             notes.append("overhead columns left out; plan.explain(name) gives them for one activation.")
         summary = tabulate(self.summary_rows(), tablefmt="plain")
-        return f"{table}\n" + "\n".join(notes) + f"\n\n{summary}"
+        return f"{table}\n" + (f"{folded}\n" if folded else "") + "\n".join(notes) + f"\n\n{summary}"
 
     def explain(self, name: str) -> str:
-        """Why activation ``name`` (a key of :attr:`decisions`) got its decision, in numbers."""
-        a = self._index(name)
-        return _explain(self, a)
+        """Why activation ``name`` (a key of :attr:`decisions`) got its decision, in numbers; for a
+        module path (``layer1.0.bn1``), the same for each activation that module saved."""
+        from .explain import explain_one
 
-
-def _explain(plan: Plan, a: int) -> str:
-    graph, sched, tl = plan.graph, plan.schedule, plan.timeline
-    act = graph.activations[a]
-    d = sched.decisions[a]
-    o = plan.overheads(a)
-    t = plan._fmt_time
-    unit, _ = plan._time_unit()
-    shape, dtype = plan._meta(a)
-    name = activation_names(graph)[a]
-    nbytes = graph.buffers[act.buffer].nbytes
-    run_at = {ins.op: i for i, ins in enumerate(sched.instrs) if ins.kind is Kind.RUN}
-    produced = tl.end[run_at[act.producer]]
-    readers = graph.backward_readers(act)
-    first = sched.first_use.get(a, readers[0] if readers else None)
-    lines = [f"{name} (graph {act.graph}): {d.value}",
-             f"  {format_bytes(nbytes)} on the device, shape {shape} {dtype}, made by "
-             f"{graph.ops[act.producer].target} (node {graph.ops[act.producer].name})"]
-    if first is None:
-        lines.append(f"  produced at {t(produced)} {unit}; no backward op reads it")
-    else:
-        gap = tl.start[run_at[first]] - produced
-        lines.append(f"  produced at {t(produced)} {unit}, first used at {t(tl.start[run_at[first]])} {unit} "
-                     f"by {graph.ops[first].name} ({gap / max(plan.step_time, 1e-30):.0%} of the step later)")
-    if d is Decision.SWAP:
-        stall, late = tl.stall.get(a, 0.0), plan._late_offload(a)
-        hidden = "hidden" if stall == 0 and late == 0 else "not hidden"
-        lines.append(f"  swap is {hidden}: stall {t(stall)} {unit}, offload past forward end {t(late)} {unit}, "
-                     f"{format_bytes(act.transfer_bytes)} each way")
-    elif d is Decision.RECOMPUTE:
-        chain = sched.chains.get(a, ())
-        lines.append(f"  recompute runs {len(chain)} forward op(s) again: "
-                     + ", ".join(graph.ops[i].name for i in chain[:8]) + (" ..." if len(chain) > 8 else ""))
-    for choice, label in (("keep", "kept"), ("swap", "swapped"), ("recompute", "recomputed")):
-        w = o.of(choice)
-        mark = "   <- planned" if choice == d.value else ""
-        if w is None:
-            why = o.why_not_swap if choice == "swap" else o.why_not_recompute
-            lines.append(f"  if {label + ':':12} impossible ({why}){mark}")
-        else:
-            fit = "fits" if w.fits else "over the limit"
-            delta = "reference" if choice == "keep" else t(w.step_time - o.keep.step_time, signed=True)
-            lines.append(f"  if {label + ':':12} step {t(w.step_time)} {unit} ({delta}), "
-                         f"peak {format_bytes(w.peak_bytes)} ({fit}){mark}")
-    r = o.r
-    if r is not None and not math.isnan(r):
-        lines.append(f"  r(X) = recompute overhead / swap overhead = {'inf' if math.isinf(r) else f'{r:.2f}'}")
-    lines.append("  why: " + _why(plan, d, o))
-    return "\n".join(lines)
-
-
-def _saving(plan: Plan, chosen: WhatIf | None, keep: WhatIf) -> str:
-    unit, _ = plan._time_unit()
-    saved = 0.0 if chosen is None else chosen.step_time - keep.step_time
-    if plan._fmt_time(saved) == "0":
-        return "at the same step time (the planner frees memory it could keep when that is free)"
-    if saved < 0:
-        return f"but {plan._fmt_time(-saved)} {unit} slower"
-    return f"{plan._fmt_time(saved)} {unit} faster: planner {plan.planner!r} chose otherwise"
-
-
-def _why(plan: Plan, d: Decision, o: Overheads) -> str:
-    """One sentence from the what-if numbers."""
-    t = plan._fmt_time
-    unit, _ = plan._time_unit()
-    limit = format_bytes(plan.mem_limit)
-
-    def cost(w: WhatIf | None, what: str, why_not: str) -> str:
-        if w is None:
-            return f"it cannot be {what} ({why_not})"
-        extra = w.step_time - o.keep.step_time
-        fit = "" if w.fits else f", and the peak would be {format_bytes(w.peak_bytes)} > limit"
-        if extra < 0:
-            return f"{what} it would take {t(-extra)} {unit} less than keeping it{fit}"
-        return f"{what} it would add {t(extra)} {unit}{fit}"
-
-    swap_txt = cost(o.swap, "swapped" if o.swap is None else "swapping", o.why_not_swap)
-    rec_txt = cost(o.recompute, "recomputed" if o.recompute is None else "recomputing", o.why_not_recompute)
-    if d is Decision.KEEP:
-        if o.keep.fits:
-            return (f"kept: {swap_txt}; {rec_txt}; memory allowed keeping it "
-                    f"(peak {format_bytes(o.keep.peak_bytes)} <= limit {limit}).")
-        return f"kept although the plan is over the limit ({format_bytes(o.keep.peak_bytes)} > {limit}); {swap_txt}."
-    keep_txt = (f"keeping it would raise the peak to {format_bytes(o.keep.peak_bytes)} > limit {limit}"
-                if not o.keep.fits else
-                f"keeping it would also fit (peak {format_bytes(o.keep.peak_bytes)}), "
-                + _saving(plan, o.of(d.value), o.keep))
-    r = o.r
-    r_txt = "" if r is None or math.isnan(r) else f" (r(X) = {'inf' if math.isinf(r) else f'{r:.2f}'})"
-    chosen, other = (o.swap, o.recompute) if d is Decision.SWAP else (o.recompute, o.swap)
-    if other is not None and other.fits and chosen is not None and other.step_time < chosen.step_time:
-        verdict = f"the other way would be cheaper, but planner {plan.planner!r} chose this one"
-    else:
-        verdict = f"so {'swapping' if d is Decision.SWAP else 'recomputing'} is the cheaper way to free it"
-    if d is Decision.SWAP:
-        return f"swapped: {keep_txt}; {rec_txt}{r_txt}: {verdict}."
-    return f"recomputed: {keep_txt}; {swap_txt}{r_txt}: {verdict}."
-
+        found = self.indices(name)
+        parts = [explain_one(self, a) for a in found]
+        if len(found) > 1:
+            names = activation_names(self.graph)
+            parts.insert(0, f"module {name} saves {len(found)} activations: " + ", ".join(names[a] for a in found))
+        return "\n\n".join(parts)

@@ -31,6 +31,7 @@ PLOT_TOP, PLOT_BOTTOM = 96, 400
 LANE_TOP, LANE_HEIGHT, LANE_GAP = 420, 16, 6
 LANES_BOTTOM = LANE_TOP + 3 * LANE_HEIGHT + 2 * LANE_GAP
 FONT = "Helvetica, Arial, sans-serif"
+MAX_TOOLTIP_NAMES = 12  # activations named in one lane bar's tooltip; the rest are "..."
 COLORS = {"plan": "#1f6fb4", "in-core": "#8c8c8c", "limit": "#d62728", "offload": "#2ca02c",
           "prefetch": "#9467bd", "recompute": "#ff7f0e", "stall": "#d62728", "grid": "#e6e6e6",
           "text": "#222222", "muted": "#666666"}
@@ -67,14 +68,15 @@ def _byte_unit(nbytes: float) -> tuple[str, float]:
     return "B", 1
 
 
-def _merge(intervals: Iterable[tuple[float, float]], min_gap: float) -> list[tuple[float, float]]:
-    """Sorted intervals merged where the gap between them is below ``min_gap`` (in their units)."""
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(intervals):
+def _merge(intervals: Iterable[tuple[float, float, str]], min_gap: float) -> list[tuple[float, float, list[str]]]:
+    """Sorted (start, end, label) intervals merged where the gap between them is below ``min_gap``
+    (in their units), each with the distinct labels of what it merged."""
+    out: list[tuple[float, float, list[str]]] = []
+    for s, e, label in sorted(intervals):
         if out and s - out[-1][1] <= min_gap:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
+            out[-1] = (out[-1][0], max(out[-1][1], e), out[-1][2] + ([label] if label not in out[-1][2] else []))
         else:
-            out.append((s, e))
+            out.append((s, e, [label]))
     return out
 
 
@@ -106,9 +108,11 @@ class _Canvas:
         self.add(f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{color}" '
                  f'stroke-width="{width}"{d}/>')
 
-    def rect(self, x: float, y: float, w: float, h: float, color: str, opacity: float = 1.0) -> None:
+    def rect(self, x: float, y: float, w: float, h: float, color: str, opacity: float = 1.0, title: str = "") -> None:
+        """A filled box; ``title`` becomes its tooltip."""
+        tip = f"<title>{escape(title)}</title></rect>" if title else ""
         self.add(f'<rect x="{x:.2f}" y="{y:.1f}" width="{max(w, 0.8):.2f}" height="{h:.1f}" fill="{color}" '
-                 f'fill-opacity="{opacity}"/>')
+                 f'fill-opacity="{opacity}"' + (f">{tip}" if tip else "/>"))
 
     def step_path(self, points: Sequence[tuple[float, int]], start: int, end_t: float) -> str:
         """SVG path data of a step curve: value ``start`` at t=0, then each (t, value) change."""
@@ -139,22 +143,19 @@ def _column(ys: list[float]) -> str:
     return f"V{top:.1f}" if top == ys[-1] else f"V{top:.1f}V{ys[-1]:.1f}"
 
 
-def _regions(plan: Plan) -> dict[str, list[tuple[float, float]]]:
-    """Seconds intervals of offloads, prefetches, recomputations and stalls in the plan."""
+def _regions(plan: Plan) -> dict[str, list[tuple[float, float, str]]]:
+    """Seconds intervals of offloads, prefetches, recomputations and stalls in the plan, each with
+    the activation it is for ("relu_3 (layer1.0.relu)")."""
     tl = plan.timeline
-    out: dict[str, list[tuple[float, float]]] = {"offload": [], "prefetch": [], "recompute": [], "stall": []}
+    kinds = {Kind.OFFLOAD: "offload", Kind.PREFETCH: "prefetch", Kind.RECOMPUTE: "recompute", Kind.WAIT: "stall"}
+    out: dict[str, list[tuple[float, float, str]]] = {k: [] for k in kinds.values()}
     for i, ins in enumerate(plan.schedule.instrs):
         s, e = tl.start[i], tl.end[i]
-        if e <= s:
+        if e <= s or ins.kind not in kinds:
             continue
-        if ins.kind is Kind.OFFLOAD:
-            out["offload"].append((s, e))
-        elif ins.kind is Kind.PREFETCH:
-            out["prefetch"].append((s, e))
-        elif ins.kind is Kind.RECOMPUTE:
-            out["recompute"].append((s, e))
-        elif ins.kind is Kind.WAIT:
-            out["stall"].append((s, e))
+        module = plan.module_of(ins.act)
+        name = plan.graph.activations[ins.act].name
+        out[kinds[ins.kind]].append((s, e, f"{name} ({module})" if module else name))
     return out
 
 
@@ -255,8 +256,9 @@ def _peaks(c: _Canvas, plan: Plan, in_core: Timeline, limit_y: float) -> None:
         c.text(box[0], box[3] - 3, text, 12, "start", color, "bold")
 
 
-def _lanes(c: _Canvas, regions: dict[str, list[tuple[float, float]]], px_s: float) -> None:
-    """Offloads, prefetches, and recomputations / stalls as bars under the plot."""
+def _lanes(c: _Canvas, regions: dict[str, list[tuple[float, float, str]]], px_s: float) -> None:
+    """Offloads, prefetches, and recomputations / stalls as bars under the plot; each bar's tooltip
+    names the activations (and their modules) it stands for."""
     plot_w = WIDTH - LEFT - RIGHT
     for row, (label, kinds) in enumerate((("D2H", ("offload",)), ("H2D", ("prefetch",)),
                                           ("compute", ("recompute", "stall")))):
@@ -264,8 +266,9 @@ def _lanes(c: _Canvas, regions: dict[str, list[tuple[float, float]]], px_s: floa
         c.rect(LEFT, y, plot_w, LANE_HEIGHT, "#f2f2f2")
         c.text(LEFT - 8, y + LANE_HEIGHT - 4, label, 11, "end", COLORS["muted"])
         for kind in kinds:
-            for s, e in _merge(regions[kind], px_s):
-                c.rect(c.x(s), y, c.x(e) - c.x(s), LANE_HEIGHT, COLORS[kind], 0.85)
+            for s, e, labels in _merge(regions[kind], px_s):
+                shown = ", ".join(labels[:MAX_TOOLTIP_NAMES]) + (" ..." if len(labels) > MAX_TOOLTIP_NAMES else "")
+                c.rect(c.x(s), y, c.x(e) - c.x(s), LANE_HEIGHT, COLORS[kind], 0.85, f"{kind}: {shown}")
 
 
 def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
@@ -291,7 +294,7 @@ def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
     regions = _regions(plan)
     px_s = c.t_max / plot_w  # seconds per pixel
     for kind in ("recompute", "stall"):  # shaded across the plot
-        for s, e in _merge(regions[kind], px_s):
+        for s, e, _ in _merge(regions[kind], px_s):
             c.rect(c.x(s), PLOT_TOP, c.x(e) - c.x(s), PLOT_BOTTOM - PLOT_TOP, COLORS[kind], 0.09)
     fwd = c.x(tl.forward_end)
     c.line(fwd, PLOT_TOP, fwd, LANES_BOTTOM, "#444444", 1, "3,3")

@@ -43,7 +43,8 @@ def _instruction_events(plan: Plan) -> list[dict[str, Any]]:
     """One X event per instruction that takes time on its stream."""
     graph, sched, tl = plan.graph, plan.schedule, plan.timeline
     acts = graph.activations
-    names = {a: act.name for a, act in enumerate(acts)}
+    # "relu_3 (layer1.0.relu)": the node name with the module that saved it, when known
+    names = {a: f"{act.name} ({plan.module_of(a)})" if plan.module_of(a) else act.name for a, act in enumerate(acts)}
     events = []
     for i, ins in enumerate(sched.instrs):
         start, end = tl.start[i], tl.end[i]
@@ -61,12 +62,12 @@ def _instruction_events(plan: Plan) -> list[dict[str, Any]]:
             args = {"target": op.target, "for": names[ins.act]}
         elif ins.kind is Kind.WAIT:
             lane, name, cat = "compute", f"wait {names[ins.act]}", "stall"
-            args = {"activation": names[ins.act]}
+            args = {"activation": acts[ins.act].name, "module": plan.module_of(ins.act)}
         else:
             act = acts[ins.act]
             lane = "d2h" if ins.kind is Kind.OFFLOAD else "h2d"
-            name, cat = f"{ins.kind.value} {act.name}", ins.kind.value
-            args = {"activation": act.name, "bytes": act.transfer_bytes}
+            name, cat = f"{ins.kind.value} {names[ins.act]}", ins.kind.value
+            args = {"activation": act.name, "module": plan.module_of(ins.act), "bytes": act.transfer_bytes}
         args["instruction"] = i
         events.append({"ph": "X", "pid": PID, "tid": LANES[lane][0], "name": name, "cat": cat,
                        "ts": start * US, "dur": (end - start) * US, "args": args})

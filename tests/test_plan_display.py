@@ -51,10 +51,11 @@ def _table_rows(text: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize("which", ["kept", "swapped", "recomputed"])
 def test_every_activation_has_a_row_with_decision_and_bytes(which, request):
     plan = request.getfixturevalue(which)
-    rows = _table_rows(str(plan))
+    text = plan.table(fold=False)
+    rows = _table_rows(text)
     names = activation_names(plan.graph)
     assert set(rows) == set(names)
-    line_of = {line.split()[1]: line for line in str(plan).splitlines() if len(line.split()) > 6}
+    line_of = {line.split()[1]: line for line in text.splitlines() if len(line.split()) > 6}
     for name, act in zip(names, plan.graph.activations):
         assert plan.decisions[name] in rows[name]
         assert format_bytes(plan.graph.buffers[act.buffer].nbytes) in line_of[name]
@@ -115,7 +116,7 @@ def test_explain_keep(kept):
     name = activation_names(kept.graph)[0]
     assert kept.decisions[name] == "keep"
     text = kept.explain(name)
-    assert text.startswith(f"{name} (graph 0): keep")
+    assert text.startswith(f"{name} (graph 0, module 0): keep")  # the stem convolution, model[0]
     assert "if kept:" in text and "<- planned" in text.split("if kept:")[1].splitlines()[0]
     assert "why: kept" in text and "memory allowed keeping it" in text
     assert format_bytes(kept.graph.buffers[kept.graph.activations[0].buffer].nbytes) in text
@@ -125,7 +126,7 @@ def test_explain_swap(swapped):
     a = next(i for i, d in enumerate(swapped.schedule.decisions) if d.value == "swap")
     name = activation_names(swapped.graph)[a]
     text = swapped.explain(name)
-    assert text.startswith(f"{name} (graph 0): swap")
+    assert text.startswith(f"{name} (graph 0, module {swapped.module_of(a)}): swap")
     assert "swap is hidden" in text or "swap is not hidden" in text
     assert "stall" in text and "why: swapped" in text
     o = swapped.overheads(a)
@@ -136,7 +137,7 @@ def test_explain_recompute(recomputed):
     a = next(i for i, d in enumerate(recomputed.schedule.decisions) if d.value == "recompute")
     name = activation_names(recomputed.graph)[a]
     text = recomputed.explain(name)
-    assert text.startswith(f"{name} (graph 0): recompute")
+    assert text.startswith(f"{name} (graph 0, module {recomputed.module_of(a)}): recompute")
     assert "recompute runs" in text and "why: recomputed" in text
     assert recomputed.overheads(a).recompute is not None
 
@@ -148,3 +149,66 @@ def test_explain_unknown_name(kept):
     assert "activation" in msg and "no_such_activation" in msg
     assert activation_names(kept.graph)[0] in msg
     assert isinstance(info.value, KeyError)
+
+
+def test_rows_name_the_module_that_saved_each_activation(kept):
+    model, _ = zoo.resnet_small()
+    modules = dict(model.named_modules())
+    assert len(kept.module_paths) == len(kept.graph.activations)
+    assert all(path in modules for path in kept.module_paths)
+    assert isinstance(modules[kept.module_paths[0]], torch.nn.Conv2d)  # the stem convolution
+    rows = _table_rows(kept.table(fold=False))
+    for name, path in zip(activation_names(kept.graph), kept.module_paths):
+        assert rows[name][2] == path
+    bn = [a for a, p in enumerate(kept.module_paths) if isinstance(modules[p], torch.nn.BatchNorm2d)]
+    assert bn  # the batch-norm statistics are saved by their BatchNorm2d
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("L['model'].layer1[0].bn1", "layer1.0.bn1"),
+    ("L['self']._modules['layer1']._modules['0'].conv1", "layer1.0.conv1"),
+    ("getattr(L['self'].layers, '3').mlp", "layers.3.mlp"),
+    ("L['model']", ""),
+])
+def test_module_path_spellings(path, expected):
+    assert plan_module.module_path({"nn_module_stack": {"k0": ("L['model']", object), "k1": (path, object)}}) == expected
+    assert plan_module.module_path({}) == ""
+
+
+def test_explain_accepts_a_module_path(kept):
+    model, _ = zoo.resnet_small()
+    bn_path = next(p for p, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d) and p in kept.module_paths)
+    saved = [n for n, p in zip(activation_names(kept.graph), kept.module_paths) if p == bn_path]
+    text = kept.explain(bn_path)
+    assert text.startswith(f"module {bn_path} saves {len(saved)} activations: " + ", ".join(saved))
+    for name in saved:
+        assert f"{name} (graph 0, module {bn_path}): keep" in text
+    single = kept.module_paths[0]
+    assert kept.explain(single) == kept.explain(activation_names(kept.graph)[0])
+    with pytest.raises(fxpooch.UnknownName, match="no.such.module"):
+        kept.explain("no.such.module")
+
+
+def test_small_activations_fold_into_one_line(kept):
+    folded = kept.folded()
+    sizes = [kept.graph.buffers[a.buffer].nbytes for a in kept.graph.activations]
+    assert folded and all(sizes[a] < plan_module.FOLD_BELOW_BYTES for a in folded)
+    assert all(sizes[a] < max(sizes) * plan_module.FOLD_FRACTION for a in folded)
+    text = str(kept)
+    rows = _table_rows(text)
+    names = activation_names(kept.graph)
+    assert set(rows) == {n for a, n in enumerate(names) if a not in folded}
+    line = next(line for line in text.splitlines() if "small activations not listed" in line)
+    total = format_bytes(sum(sizes[a] for a in folded))
+    assert line.startswith(f"+ {len(folded)} small activations") and f"{total} in all" in line
+    assert f"keep {len(folded)} / swap 0 / recompute 0" in line  # a limit above the in-core peak: all kept
+
+
+def test_r_is_never_negative():
+    keep = plan_module.WhatIf(1.0, 10, True)
+    faster = plan_module.Overheads(keep, swap=plan_module.WhatIf(1.5, 5, True), recompute=plan_module.WhatIf(0.9, 5, True))
+    assert faster.recompute_overhead < 0 and faster.r == 0.0  # recomputing is free here, not "-0.2"
+    free = plan_module.Overheads(keep, swap=plan_module.WhatIf(0.9, 5, True), recompute=plan_module.WhatIf(0.8, 5, True))
+    assert plan_module.format_r(free.r) == "-"  # neither costs anything: no ratio
+    swap_free = plan_module.Overheads(keep, swap=plan_module.WhatIf(1.0, 5, True), recompute=plan_module.WhatIf(1.2, 5, True))
+    assert plan_module.format_r(swap_free.r) == "inf"

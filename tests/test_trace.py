@@ -96,3 +96,19 @@ def test_memory_svg(plan, tmp_path):
     for label in ("limit", "in-core", "planned peak", "time (ms)", "device memory (MiB)", "D2H", "H2D"):
         assert label in text
     assert len([p for p in root.iter() if p.tag.endswith("path")]) >= 3  # in-core, plan fill, plan line
+
+
+def test_trace_and_svg_name_the_module_of_each_copy(plan):
+    model, _ = zoo.resnet_small()
+    modules = dict(model.named_modules())
+    copies = [e for e in chrome_trace(plan)["traceEvents"] if e.get("cat") in ("offload", "prefetch", "stall")]
+    for e in copies:
+        module = e["args"]["module"]
+        assert module in modules and e["name"].endswith(f"{e['args']['activation']} ({module})")
+    root = ET.fromstring(memory_svg(plan))
+    tips = [t.text for t in root.iter() if t.tag.endswith("title")][1:]  # the first is the picture's title
+    kinds = {"swap-all": ("offload", "prefetch"), "checkpoint-all": ("recompute",), "pooch": ("offload", "recompute")}
+    for kind in kinds[plan.planner]:
+        tip = next(t for t in tips if t.startswith(f"{kind}: "))
+        name, _, module = tip.removeprefix(f"{kind}: ").split(",")[0].partition(" (")
+        assert module.rstrip(" .)") in modules and name in plan.decisions
