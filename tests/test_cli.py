@@ -69,9 +69,10 @@ def test_plan_prints_the_plan_and_writes_trace_and_svg(tmp_path, capsys):
     profile = tmp_path / "mlp.profile.json"
     out = tmp_path / "out"
     argv = ["plan", MLP, "--mem-limit", "95%", *ANALYTIC, "--out", str(out)]
-    assert main(["-v", *argv, "--save-profile", str(profile), "--explain", "relu"]) == 0
+    # the first ReLU by its module path (model[1]): the module that saved activation "relu"
+    assert main(["-v", *argv, "--save-profile", str(profile), "--explain", "1"]) == 0
     first = capsys.readouterr()
-    assert "planned peak" in first.out and "relu (graph 0):" in first.out and "why:" in first.out
+    assert "planned peak" in first.out and "relu (graph 0, module 1):" in first.out and "why:" in first.out
     assert "fxpooch." in first.err  # -v: INFO lines of the fxpooch loggers
     trace, svg = out / "mlp-pooch.trace.json", out / "mlp-pooch.svg"
     assert json.loads(trace.read_text())["traceEvents"]
@@ -80,7 +81,7 @@ def test_plan_prints_the_plan_and_writes_trace_and_svg(tmp_path, capsys):
     # the saved profile replans to the same table
     assert main(["plan", MLP, "--mem-limit", "95%", "--profile", str(profile), "--out", str(out)]) == 0
     again = capsys.readouterr().out
-    table = first.out.split("\n\nrelu (graph 0)")[0]
+    table = first.out.split("\n\nrelu (graph 0, module 1)")[0]
     assert table.replace(f"saved the profile to {profile}\n", "") == again.split("\n\nwrote")[0]
 
 
