@@ -26,7 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .errors import FxpoochError, InfeasibleMemoryLimit, InvalidMemoryLimit, UnknownName
+from .errors import FxpoochError, InfeasibleMemoryLimit, UnknownName
+from .units import parse_limit
 
 log = logging.getLogger("fxpooch.cli")
 
@@ -129,24 +130,22 @@ def load_model(ref: str, batch: int | None, device: str | None) -> tuple[Any, An
 
 
 # -- planning ----------------------------------------------------------------------------------
-def parse_limit(text: str, in_core_peak: int) -> int:
-    """``--mem-limit``: bytes ("8GiB", "500MB", "123456") or a percentage of the in-core peak ("60%")."""
-    from .units import parse_bytes
+def resolve_cli_limit(args: argparse.Namespace, base: Any) -> int:
+    """``--mem-limit`` in bytes: as ``fxpooch.compile`` reads it (see ``fxpooch.units.parse_limit``),
+    "60%" of ``base``'s in-core peak, "device" of the device the model is built on (meta: the preset)."""
+    from .limits import resolve_limit
+    from .units import InCoreShare
 
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*%\s*", text)
-    if m:
-        pct = float(m.group(1))
-        if not 0 < pct:
-            raise InvalidMemoryLimit(f"memory limit {text!r} must be a positive percentage of the in-core peak")
-        return max(1, int(in_core_peak * pct / 100))
-    if text.strip().endswith("%"):
-        raise InvalidMemoryLimit(f"cannot parse memory limit {text!r}; a percentage looks like '60%'")
-    return parse_bytes(text)
+    limit = resolve_limit(args.mem_limit, base.device, args.hardware)
+    return limit.of(base.plan.in_core_peak_bytes) if isinstance(limit, InCoreShare) else limit
 
 
 def _profile_arg(args: argparse.Namespace) -> Any:
     from .profile import Profile
 
+    if args.profile == "measure" and args.device in (None, "meta") and ":" not in args.model:
+        raise CliError(f"--profile measure times each op on a real device, but {args.model} is built on the meta "
+                       "device (no memory, no timing): add --device cpu (or cuda), or use analytic costs")
     if args.profile in ("analytic", "measure"):
         return args.profile
     if not os.path.exists(args.profile):
@@ -157,7 +156,17 @@ def _profile_arg(args: argparse.Namespace) -> Any:
         raise CliError(f"--profile {args.profile!r}: {e}") from None
 
 
-def in_core_plan(args: argparse.Namespace) -> tuple[Any, str]:
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """One capture and profile of the model, reused by every planner: its in-core (or
+    checkpoint-all) plan, the device the model was built on, and the allocator margin there."""
+
+    plan: Any
+    device: Any
+    margin: Any
+
+
+def in_core_plan(args: argparse.Namespace) -> tuple[Base, str]:
     """Capture and profile the model once: the base plan whose graph and costs every planner reuses.
 
     Its in-core numbers do not depend on the planner. On a CUDA device the limit may not exceed
@@ -167,6 +176,7 @@ def in_core_plan(args: argparse.Namespace) -> tuple[Any, str]:
     import torch
 
     from .hardware import get_hardware
+    from .limits import default_margin
     from .units import MAX_BYTES
 
     if args.hardware:
@@ -182,20 +192,27 @@ def in_core_plan(args: argparse.Namespace) -> tuple[Any, str]:
         except InfeasibleMemoryLimit:
             base = fxpooch.plan(model, example, limit, planner="checkpoint-all", profile=profile,
                                 hardware=args.hardware)
-    return base, label
+    return Base(base, device, default_margin(device, args.hardware)), label
 
 
-def replan(base: Any, planner: str, limit: int) -> Any:
-    """Run ``planner`` on ``base``'s graph and costs (no new capture) and return its Plan."""
+def replan(base: Base, planner: str, limit: int) -> Any:
+    """Run ``planner`` on ``base``'s graph and costs (no new capture) and return its Plan, with the
+    allocator margin ``compile`` would keep under ``limit`` on that device."""
     from .plan import activation_names
     from .planners import Problem, get_planner
 
-    graph = base.graph
-    candidate = get_planner(planner)(Problem(graph, base.profile.costs(graph), limit))
+    graph, reserve = base.plan.graph, base.margin.of(limit)
+    try:
+        candidate = get_planner(planner)(Problem(graph, base.plan.profile.costs(graph), limit - reserve))
+    except InfeasibleMemoryLimit as e:
+        if not reserve:
+            raise
+        raise InfeasibleMemoryLimit(limit, base.margin.limit_for(e.min_feasible_bytes), e.live, e.planner,
+                                    margin_bytes=reserve) from None
     return dataclasses.replace(
-        base, planner=planner, mem_limit=limit, peak_bytes=candidate.timeline.peak_bytes,
+        base.plan, planner=planner, mem_limit=limit, peak_bytes=candidate.timeline.peak_bytes,
         step_time=candidate.step_time, schedule=candidate.schedule, timeline=candidate.timeline,
-        decisions={n: d.value for n, d in zip(activation_names(graph), candidate.decisions)})
+        decisions={n: d.value for n, d in zip(activation_names(graph), candidate.decisions)}, margin_bytes=reserve)
 
 
 def write_outputs(plan: Any, out_dir: str | os.PathLike, stem: str) -> tuple[Path, Path]:
@@ -216,9 +233,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planners import get_planner
 
     get_planner(args.planner)
-    parse_limit(args.mem_limit, 1)  # a malformed limit fails before the slow steps
+    parse_limit(args.mem_limit)  # a malformed limit fails before the slow steps
     base, label = in_core_plan(args)
-    limit = parse_limit(args.mem_limit, base.in_core_peak_bytes)
+    limit = resolve_cli_limit(args, base)
     with progress(f"planning {label} with {args.planner}"):
         plan = replan(base, args.planner, limit)
     if args.save_profile:
@@ -241,11 +258,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from .planners import PLANNERS
     from .units import format_bytes
 
-    parse_limit(args.mem_limit, 1)
+    parse_limit(args.mem_limit)
     base, label = in_core_plan(args)
-    limit = parse_limit(args.mem_limit, base.in_core_peak_bytes)
-    print(f"{label}: limit {format_bytes(limit)}, in-core peak {format_bytes(base.in_core_peak_bytes)}, "
-          f"in-core step {base.in_core_time * 1e3:.3f} ms ({base.profile.source})\n")
+    limit = resolve_cli_limit(args, base)
+    core = base.plan
+    print(f"{label}: limit {format_bytes(limit)}, in-core peak {format_bytes(core.in_core_peak_bytes)}, "
+          f"in-core step {core.in_core_time * 1e3:.3f} ms ({core.profile.source})\n")
     rows, infeasible, ok = [], 0, 0
     for name in PLANNERS:
         t0 = time.perf_counter()
@@ -265,7 +283,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             continue
         ok += 1
         c = p.counts()
-        rows.append([name, f"{p.step_time * 1e3:.3f}", f"{p.step_time / base.in_core_time:.2f}x",
+        rows.append([name, f"{p.step_time * 1e3:.3f}", f"{p.step_time / core.in_core_time:.2f}x",
                      format_bytes(p.peak_bytes), f"{c['keep']} / {c['swap']} / {c['recompute']}",
                      f"{time.perf_counter() - t0:.2f}", ""])
     print(tabulate(rows, headers=["planner", "step ms", "vs in-core", "peak", "keep / swap / recompute",
@@ -282,7 +300,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # -- entry point -------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in (0, 1]: the limit is this share of the in-core peak")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
+    from .hardware import PRESETS
     from .planners import PLANNERS
 
     verbose = argparse.ArgumentParser(add_help=False)
@@ -294,8 +327,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", parents=[verbose], help="plan, rewrite and run a small ResNet within half its memory")
-    demo.add_argument("--fraction", type=float, default=0.5, help="limit as a fraction of the in-core peak")
-    demo.add_argument("--steps", type=int, default=3)
+    demo.add_argument("--fraction", type=_fraction, default=0.5,
+                      help="memory limit as a fraction of the in-core peak, in (0, 1] (default 0.5)")
+    demo.add_argument("--steps", type=_positive_int, default=3,
+                      help="training steps run next to an eager copy, gradients compared after each (default 3)")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     demo.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the trace and the SVG (default {DEFAULT_OUT})")
 
@@ -304,13 +339,21 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[verbose], help=helptext)
         p.add_argument("model", help="a model of fxpooch.models (resnet50, gpt2, ...) or module:factory "
                                      "(a module name or a .py path; the factory returns (model, example_input))")
-        p.add_argument("--mem-limit", required=True, help="bytes ('8GiB', '500MB') or percent of the in-core peak ('60%%')")
-        p.add_argument("--batch", type=int, default=None, help="batch size (zoo default if left out)")
-        p.add_argument("--hardware", default=None, help="hardware preset for analytic costs (v100-pcie3, h100-pcie5, ...)")
-        p.add_argument("--profile", default="analytic", help="'analytic' (default), 'measure' or a saved profile .json")
-        p.add_argument("--device", default=None, help="device to build on (zoo models: meta, planned without memory)")
-        p.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the trace and the SVG (default {DEFAULT_OUT})")
+        p.add_argument("--mem-limit", required=True,
+                       help="bytes ('8GiB' = 8*2^30, '8GB' = 8*10^9, '8G' = 8GiB), a percentage of the in-core peak "
+                            "('60%%'), or 'device' (all the device has; on meta, the --hardware preset's memory)")
+        p.add_argument("--batch", type=_positive_int, default=None, help="batch size (the model's default if left out)")
+        p.add_argument("--hardware", default=None, metavar="PRESET",
+                       help=f"hardware the plan is for, for analytic costs and 'device': one of {', '.join(PRESETS)} "
+                            "(default: h100-pcie5 for a model on meta or CUDA, cpu for one on CPU)")
+        p.add_argument("--profile", default="analytic",
+                       help="'analytic' (default: costs from the --hardware preset), 'measure' (time each op; needs "
+                            "--device cpu or cuda) or a profile .json saved by --save-profile")
+        p.add_argument("--device", default=None,
+                       help="device to build the model on (default: meta for fxpooch.models, planned without memory)")
         if name == "plan":
+            p.add_argument("--out", default=DEFAULT_OUT,
+                           help=f"folder for the trace and the SVG (default {DEFAULT_OUT})")
             p.add_argument("--planner", default="pooch", help=f"one of {', '.join(PLANNERS)} (default pooch)")
             p.add_argument("--save-profile", metavar="FILE", help="save the profile (JSON) to replan deterministically")
             p.add_argument("--explain", action="append", metavar="NAME",

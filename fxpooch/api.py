@@ -17,14 +17,15 @@ from .capture import GraphPair, Recorder, capture_step
 from .errors import InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidProfile, UnsupportedModel
 from .graph import NodeTable, StepGraph, build_step_graph
 from .hardware import Hardware, Link, get_hardware
+from .limits import default_margin, resolve_limit
 from .memory import Margin, MemoryModel
 from .plan import Plan, activation_meta, activation_names, module_paths
 from .planners import Problem, get_planner
-from .profile import Profile, ProfileOptions, analytic_profile, measure_link, measure_profile
+from .profile import Profile, ProfileOptions, analytic_profile, in_core_peak_bytes, measure_link, measure_profile
 from .runtime import HostPool, using_pool
 from .schedule import build_schedule
 from .simulator import simulate
-from .units import parse_bytes
+from .units import InCoreShare, parse_bytes, parse_limit
 
 log = logging.getLogger("fxpooch.compile")
 
@@ -39,7 +40,8 @@ class CompileOptions:
     alone). ``margin``: device memory kept out of the plan for the allocator's fragmentation, a
     :class:`~fxpooch.memory.Margin`, bytes, or None: 5% of the limit on CUDA, 0 on CPU and meta.
     ``host_pool_limit``: bytes the pinned pool of host copies may hold (None: unbounded);
-    exceeding it raises :class:`~fxpooch.errors.HostPoolExhausted`.
+    exceeding it raises :class:`~fxpooch.errors.HostPoolExhausted`. A bad ``margin``,
+    ``host_pool_limit`` or profile path is reported here, before anything runs.
     """
 
     planner: str = "pooch"
@@ -52,13 +54,20 @@ class CompileOptions:
 
     def __post_init__(self) -> None:
         ProfileOptions(self.profile_mode)  # fail fast on an unknown mode
+        self.margin_for(torch.device("cpu"))  # ... and on a malformed margin or host_pool_limit
+        if not isinstance(self.profile, Profile) and self.profile not in ("analytic", "measure") \
+                and not (isinstance(self.profile, (str, os.PathLike)) and os.path.exists(self.profile)):
+            raise InvalidProfile(f"profile={self.profile!r}: no such file; pass 'measure', 'analytic', a Profile "
+                                 "or the path of a saved profile")
+        if self.host_pool_limit is not None:
+            parse_bytes(self.host_pool_limit, "host_pool_limit")
 
     def margin_for(self, device: torch.device) -> Margin:
         if self.margin is None:
-            return Margin.default_for(device)
+            return default_margin(device, self.hardware)
         if isinstance(self.margin, Margin):
             return self.margin
-        return Margin(nbytes=parse_bytes(self.margin))
+        return Margin() if self.margin in (0, "0") else Margin(nbytes=parse_bytes(self.margin, "margin"))
 
 
 _entries = itertools.count()
@@ -113,7 +122,7 @@ class CompiledModule(nn.Module):
         self._plans: dict[tuple, _Planned] = {}
         self._current: _Planned | None = None
         limit = options.host_pool_limit
-        self.host_pool = HostPool(limit_bytes=None if limit is None else parse_bytes(limit))
+        self.host_pool = HostPool(limit_bytes=None if limit is None else parse_bytes(limit, "host_pool_limit"))
 
     # -- public inspection -----------------------------------------------------------------
     @property
@@ -188,8 +197,8 @@ def _resolve_profile(options: CompileOptions, graph: StepGraph, table: NodeTable
     return profile.with_link(options.link) if options.link else profile
 
 
-def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple, kwargs: dict, mem_limit: int,
-               options: CompileOptions) -> _Planned:
+def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple, kwargs: dict,
+               mem_limit: int | InCoreShare, options: CompileOptions) -> _Planned:
     """Capture one step, profile it, plan it. Nothing is rewritten or bound yet."""
     device = _step_device(model, args, kwargs)
     memory = MemoryModel.for_device(device)
@@ -199,6 +208,8 @@ def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple,
         [*model.parameters(), *model.buffers(),
          *(t for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))])
     graph, table = build_step_graph(pairs, memory, resident)
+    if isinstance(mem_limit, InCoreShare):  # "60%": of this step's in-core peak
+        mem_limit = mem_limit.of(in_core_peak_bytes(graph))
     margin = options.margin_for(device)
     reserve = margin.of(mem_limit)
     profile = _resolve_profile(options, graph, table, pair_inputs, device, mem_limit - reserve)
@@ -245,10 +256,11 @@ class _Planned:
             pair.bind(rewritten.forward, rewritten.backward)
 
 
-def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, planner: str):
+def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, planner: str,
+                hardware: str | Hardware | None = None):
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    limit = parse_bytes(mem_limit)
+    parse_limit(mem_limit)  # a malformed limit fails before anything else
     get_planner(planner)  # fail fast on an unknown name
     args, kwargs = _split_example(example_input)
     if not any(p.requires_grad for p in model.parameters()):
@@ -260,7 +272,8 @@ def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, plan
         raise UnsupportedModel(f"the model and its example input are on different devices ({sorted(map(str, devices))});"
                                " move both to the device you train on (e.g. model.to(x.device))")
     device = next(iter(devices))
-    if device.type == "cuda":
+    limit = resolve_limit(mem_limit, device, hardware)
+    if device.type == "cuda" and isinstance(limit, int):
         total = torch.cuda.get_device_properties(device).total_memory
         if limit > total:
             raise InvalidMemoryLimit(f"mem_limit={limit} bytes is more than {device} has ({total} bytes); "
@@ -277,7 +290,7 @@ def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner:
     analytic model of ``hardware``. Nothing is rewritten; the model's state is untouched.
     The other arguments are as in :func:`compile` (see :class:`CompileOptions`).
     """
-    limit, args, kwargs = _check_call(model, example_input, mem_limit, planner)
+    limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
     recorder = Recorder()
     compiled = _compile_entry(model, recorder)
     return _make_plan(compiled, recorder, model, args, kwargs, limit,
@@ -290,13 +303,17 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
             host_pool_limit: int | str | None = None) -> CompiledModule:
     """Plan ``model``'s training step to fit ``mem_limit`` and return a module that runs that plan.
 
+    ``mem_limit``: bytes (an int, ``"16GiB"``, ``"16GB"``, ``"16G"`` = 16 GiB), ``"60%"`` (of the
+    step's in-core peak, for each input shape) or ``"device"`` (all the device can give; see
+    :func:`fxpooch.units.parse_limit`).
+
     The model's forward runs once here to trace it, without holding its activations (its
     buffers and the RNG state are put back); a measured profile times each node in situ if the
     in-core step fits, else each node alone. The returned module's backward puts gradients on
     ``model``'s parameters. ``profile_mode``, ``margin`` and ``host_pool_limit``: see
     :class:`CompileOptions`.
     """
-    limit, args, kwargs = _check_call(model, example_input, mem_limit, planner)
+    limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
     options = CompileOptions(planner, profile, hardware, link, profile_mode, margin, host_pool_limit)
     compiled = CompiledModule(model, limit, options)
     planned = compiled._plan_for(args, kwargs)

@@ -15,6 +15,7 @@ import torch.fx as fx
 from fxpooch.__main__ import main
 from fxpooch.debug import ENV_VAR, dump_graphs
 from fxpooch.planners import PLANNERS
+from fxpooch.units import format_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 MLP = f"{REPO / 'tests' / 'zoo.py'}:mlp"
@@ -53,7 +54,7 @@ def test_bad_mem_limit_exits_2_with_a_message(limit, words, capsys, tmp_path):
     (["compare", MLP, "--mem-limit", "1GiB", "--profile", "missing.json"], "no such file"),
 ])
 def test_unknown_names_exit_2(argv, words, capsys, tmp_path):
-    assert main([*argv, "--out", str(tmp_path)]) == 2
+    assert main([*argv, *(["--out", str(tmp_path)] if argv[0] == "plan" else [])]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
 
@@ -88,7 +89,7 @@ def test_plan_prints_the_plan_and_writes_trace_and_svg(tmp_path, capsys):
 def test_compare_lists_every_planner_and_failures(capsys, tmp_path):
     # transformer_block's forward reads module globals (math, F): the .py file must be importable by name
     model = f"{REPO / 'tests' / 'zoo.py'}:transformer_block"
-    assert main(["compare", model, "--mem-limit", "80%", *ANALYTIC, "--out", str(tmp_path)]) == 0
+    assert main(["compare", model, "--mem-limit", "80%", *ANALYTIC]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in PLANNERS}
     assert set(rows) == set(PLANNERS)
@@ -135,3 +136,94 @@ def test_cli_models_are_part_of_the_installed_package(tmp_path):
     assert r.returncode == 0, r.stderr
     models_file, zoo_modules = r.stdout.splitlines()
     assert Path(models_file).parent == REPO / "fxpooch" and zoo_modules == "[]"
+
+
+# -- what a user types: limits, help, and mistakes caught before the slow steps ----------------
+def test_limit_forms_mean_the_same_in_the_cli_and_the_api(tmp_path):
+    """'95%' of the in-core peak, '16G' = 16 GiB and 'device' (the preset's memory on meta) in both."""
+    import fxpooch
+    from fxpooch.hardware import get_hardware
+    from zoo import mlp
+
+    model, x = mlp()
+    api = {f: fxpooch.plan(model, x, f, profile="analytic", hardware="v100-pcie3") for f in ("95%", "16G")}
+    assert api["95%"].mem_limit == int(api["95%"].in_core_peak_bytes * 0.95)
+    assert api["16G"].mem_limit == 16 * 2**30
+    for form, plan in api.items():
+        r = _run("plan", MLP, "--mem-limit", form, *ANALYTIC, "--no-what-if", "--out", str(tmp_path))
+        assert r.returncode == 0, r.stderr
+        assert f"memory limit               {format_bytes(plan.mem_limit)}" in r.stdout
+    with torch.device("meta"):
+        meta_model, meta_x = mlp()
+    on_meta = fxpooch.plan(meta_model, meta_x, "device", hardware="v100-pcie3")
+    assert on_meta.mem_limit == get_hardware("v100-pcie3").memory_bytes
+
+
+def test_meta_plans_keep_the_margin_compile_keeps_on_that_card():
+    import fxpooch
+    from fxpooch.memory import Margin
+    from zoo import mlp
+
+    with torch.device("meta"):
+        model, x = mlp()
+    gpu = fxpooch.plan(model, x, "64MiB", hardware="v100-pcie3")
+    assert gpu.margin_bytes == Margin.default_for("cuda").of(64 * 2**20) > 0
+    assert gpu.peak_bytes <= 64 * 2**20 - gpu.margin_bytes
+    assert fxpooch.plan(model, x, "64MiB", hardware="cpu").margin_bytes == 0  # a CPU run keeps none
+
+
+def test_zoo_model_on_meta_keeps_the_margin_in_the_cli(tmp_path):
+    from fxpooch.memory import Margin
+
+    r = _run("plan", "resnet50", "--batch", "8", "--mem-limit", "1GiB", *ANALYTIC, "--no-what-if",
+             "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    margin = Margin.default_for("cuda").of(2**30)
+    assert f"allocator margin           {format_bytes(margin)} (planned under {format_bytes(2**30 - margin)})" \
+        in r.stdout
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"margin": "5x"}, "margin '5x'"),
+    ({"host_pool_limit": "lots"}, "host_pool_limit 'lots'"),
+    ({"profile": "typo.profile.json"}, "'typo.profile.json': no such file"),
+])
+def test_bad_options_name_the_option_before_anything_runs(kwargs, words):
+    import fxpooch
+    from zoo import mlp
+
+    with torch.device("meta"):  # a profile path typo on meta used to fall back to analytic costs silently
+        model, x = mlp()
+    with pytest.raises(fxpooch.errors.FxpoochError) as info:
+        fxpooch.plan(model, x, "1GiB", **{k: v for k, v in kwargs.items() if k != "host_pool_limit"}) \
+            if "host_pool_limit" not in kwargs else fxpooch.compile(model, x, "1GiB", **kwargs)
+    assert words in str(info.value) and "memory limit" not in str(info.value)
+
+
+def test_margin_zero_means_no_margin():
+    import fxpooch
+    from zoo import mlp
+
+    with torch.device("meta"):
+        model, x = mlp()
+    assert fxpooch.plan(model, x, "1GiB", hardware="v100-pcie3", margin=0).margin_bytes == 0
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan", "resnet50", "--mem-limit", "50%", "--profile", "measure"], "--device cpu"),
+    (["demo", "--fraction", "-1"], "not in (0, 1]"),
+    (["demo", "--steps", "0"], "not a positive integer"),
+    (["plan", "resnet50", "--mem-limit", "50%", "--batch", "0"], "not a positive integer"),
+    (["compare", "resnet50", "--mem-limit", "50%", "--out", "x"], "unrecognized arguments: --out"),
+])
+def test_cli_mistakes_fail_at_once_with_exit_2(argv, words):
+    r = _run(*argv, timeout=60)
+    assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_help_says_the_defaults():
+    plan_help = _run("plan", "--help").stdout
+    assert "default: h100-pcie5 for a model on meta or CUDA, cpu for one on CPU" in " ".join(plan_help.split())
+    assert "'device'" in plan_help and "'16G'" not in plan_help or "8G" in plan_help
+    demo_help = " ".join(_run("demo", "--help").stdout.split())
+    assert "--steps STEPS training steps" in demo_help and "(default 3)" in demo_help

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fxpooch.errors import InvalidMemoryLimit
-from fxpooch.units import MAX_BYTES, format_bytes, parse_bytes
+from fxpooch.units import DEVICE, MAX_BYTES, InCoreShare, format_bytes, parse_bytes, parse_limit
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -102,3 +102,25 @@ def test_format_bytes(n, expected):
 @pytest.mark.parametrize("n", [512, 2**20, 3 * 2**29, 16 * 2**30, 5 * 2**40])
 def test_format_output_parses_back(n):
     assert parse_bytes(format_bytes(n)) == n
+
+
+@pytest.mark.parametrize("value, expected", [("16G", 16 * 2**30), ("512m", 512 * 2**20), ("2 T", 2 * 2**40),
+                                             ("1k", 1024)])
+def test_single_letter_units_are_binary(value, expected):
+    assert parse_bytes(value) == expected
+
+
+def test_parse_limit_forms():
+    assert parse_limit("16GiB") == parse_limit(16 * 2**30) == 16 * 2**30
+    assert parse_limit("60%") == InCoreShare(60.0) and InCoreShare(60.0).of(1000) == 600
+    assert parse_limit("device") == parse_limit(" ALL ") == DEVICE
+    for bad, words in (("-5%", "positive percentage"), ("x%", "percentage looks like"), ("lots", "'device'")):
+        with pytest.raises(InvalidMemoryLimit, match=words):
+            parse_limit(bad)
+
+
+def test_messages_name_the_option():
+    with pytest.raises(InvalidMemoryLimit, match="^cannot parse margin 'big'"):
+        parse_bytes("big", "margin")
+    with pytest.raises(InvalidMemoryLimit, match="^host_pool_limit -1 must be positive"):
+        parse_bytes(-1, "host_pool_limit")
