@@ -19,14 +19,12 @@ import logging
 import os
 import re
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from .errors import FxpoochError, InfeasibleMemoryLimit, UnknownName
+from .progress import stage
 from .units import parse_limit
 
 log = logging.getLogger("fxpooch.cli")
@@ -34,27 +32,10 @@ log = logging.getLogger("fxpooch.cli")
 EXIT_USAGE = 2
 EXIT_INFEASIBLE = 3
 DEFAULT_OUT = "fxpooch-out"
-PROGRESS_AFTER_S = 2.0  # steps running longer than this get a line on stderr
 
 
 class CliError(Exception):
     """A user mistake on the command line: message on stderr, exit code 2."""
-
-
-@contextmanager
-def progress(what: str, after: float = PROGRESS_AFTER_S) -> Iterator[None]:
-    """Say on stderr what is running if it takes longer than ``after`` seconds, and when it ends."""
-    t0 = time.perf_counter()
-    timer = threading.Timer(after, lambda: print(f"fxpooch: {what} ...", file=sys.stderr, flush=True))
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-        elapsed = time.perf_counter() - t0
-        if elapsed >= after:
-            print(f"fxpooch: {what}: {elapsed:.1f} s", file=sys.stderr, flush=True)
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -182,16 +163,14 @@ def in_core_plan(args: argparse.Namespace) -> tuple[Base, str]:
     if args.hardware:
         get_hardware(args.hardware)  # unknown preset: fail before the slow steps
     profile = _profile_arg(args)
-    with progress(f"building {args.model}"):
+    with stage(f"building {args.model}"):
         model, example, label = load_model(args.model, args.batch, args.device)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     limit = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else MAX_BYTES
-    with progress(f"capturing and profiling {label}"):
-        try:
-            base = fxpooch.plan(model, example, limit, planner="in-core", profile=profile, hardware=args.hardware)
-        except InfeasibleMemoryLimit:
-            base = fxpooch.plan(model, example, limit, planner="checkpoint-all", profile=profile,
-                                hardware=args.hardware)
+    try:
+        base = fxpooch.plan(model, example, limit, planner="in-core", profile=profile, hardware=args.hardware)
+    except InfeasibleMemoryLimit:
+        base = fxpooch.plan(model, example, limit, planner="checkpoint-all", profile=profile, hardware=args.hardware)
     return Base(base, device, default_margin(device, args.hardware)), label
 
 
@@ -236,13 +215,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     parse_limit(args.mem_limit)  # a malformed limit fails before the slow steps
     base, label = in_core_plan(args)
     limit = resolve_cli_limit(args, base)
-    with progress(f"planning {label} with {args.planner}"):
+    with stage(f"planning {label} with {args.planner}"):
         plan = replan(base, args.planner, limit)
     if args.save_profile:
         plan.profile.save(args.save_profile)
         print(f"saved the profile to {args.save_profile}")
-    with progress("what-if simulations for the table"):
-        text = plan.table(overheads=False if args.no_what_if else None, fold=not args.all_rows)
+    text = plan.table(overheads=False if args.no_what_if else None, fold=not args.all_rows)
     print(text)
     for name in args.explain or ():
         print()
@@ -268,7 +246,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for name in PLANNERS:
         t0 = time.perf_counter()
         try:
-            with progress(f"planning with {name}"):
+            with stage(f"planning with {name}"):
                 p = replan(base, name, limit)
         except Exception as e:  # one planner failing must not end the comparison
             infeasible += isinstance(e, InfeasibleMemoryLimit)
@@ -379,13 +357,15 @@ class _StderrHandler(logging.StreamHandler):
 
 
 def _configure_logging(verbose: bool) -> None:
-    """``-v``: INFO records of the "fxpooch" loggers on stderr (other libraries' logging untouched)."""
+    """Warnings and the progress of long stages (``fxpooch.progress``) of the "fxpooch" loggers on
+    stderr; ``-v``: every INFO record of them (other libraries' logging untouched)."""
     logger = logging.getLogger("fxpooch")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logging.getLogger("fxpooch.progress").setLevel(logging.INFO)
     if verbose:
-        if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-            handler = _StderrHandler()
-            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-            logger.addHandler(handler)
         logger.setLevel(logging.INFO)
 
 

@@ -22,6 +22,7 @@ from .memory import Margin, MemoryModel
 from .plan import Plan, activation_meta, activation_names, module_paths
 from .planners import Problem, get_planner
 from .profile import Profile, ProfileOptions, analytic_profile, in_core_peak_bytes, measure_link, measure_profile
+from .progress import stage
 from .runtime import HostPool, using_pool
 from .schedule import build_schedule
 from .simulator import simulate
@@ -121,6 +122,8 @@ class CompiledModule(nn.Module):
         self._compiled = _compile_entry(model, self._recorder)
         self._plans: dict[tuple, _Planned] = {}
         self._current: _Planned | None = None
+        #: plans made after the first one (each new input shape or train/eval switch makes one)
+        self.replans = 0
         limit = options.host_pool_limit
         self.host_pool = HostPool(limit_bytes=None if limit is None else parse_bytes(limit, "host_pool_limit"))
 
@@ -160,7 +163,11 @@ class CompiledModule(nn.Module):
         planned = self._plans.get(key)
         if planned is None:
             if self._plans:
-                log.info("new input signature: planning again (%d plans cached)", len(self._plans))
+                self.replans += 1
+                log.warning("a new input shape (or train/eval switch): planning again, with a new capture and "
+                            "profile (%d plans so far, compiled.replans = %d); inputs of many different shapes, e.g. "
+                            "variable-length batches, should be padded to a few fixed shapes", len(self._plans),
+                            self.replans)
             planned = self._plan_for(args, kwargs)
             self._plans[key] = planned
         if planned is not self._current:
@@ -202,7 +209,7 @@ def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple,
     """Capture one step, profile it, plan it. Nothing is rewritten or bound yet."""
     device = _step_device(model, args, kwargs)
     memory = MemoryModel.for_device(device)
-    with compat.dynamo_limits():
+    with compat.dynamo_limits(), stage("capturing the training step"):
         pairs, pair_inputs = capture_step(compiled, recorder, model, args, kwargs)
     resident = memory.resident_bytes(
         [*model.parameters(), *model.buffers(),
@@ -217,7 +224,8 @@ def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple,
     costs = profile.costs(graph)
     name = options.planner
     try:
-        candidate = get_planner(name)(Problem(graph, costs, mem_limit - reserve))
+        with stage(f"planning with {name} ({len(graph.activations)} activations)"):
+            candidate = get_planner(name)(Problem(graph, costs, mem_limit - reserve))
     except InfeasibleMemoryLimit as e:
         if not reserve:
             raise

@@ -21,6 +21,7 @@ from .errors import UnknownName
 from .graph import NodeTable, StepGraph
 from .planners.common import Evaluator, Problem
 from .profile import Profile
+from .progress import Stage, stage
 from .schedule import Decision, Kind, NotRecomputable, Schedule, build_schedule, recompute_chain
 from .simulator import Timeline, simulate
 from .units import format_bytes
@@ -315,8 +316,10 @@ class Plan:
                    f"stall {unit}", f"late d2h {unit}"]
         if with_over:
             headers += [f"swap +{unit}", f"recompute +{unit}", "r(X)"]
-            if n > 50 and len(self._overheads) < n:
-                log.info("what-if simulations for %d activations (2 each) for the plan table", n)
+        with stage("what-if simulations for the table", n if with_over else None, "activation") as progress:
+            return headers, self._rows(skip, with_over, progress)
+
+    def _rows(self, skip: set[int], with_over: bool, progress: Stage) -> list[list[str]]:
         rows = []
         names = activation_names(self.graph)
         for a, (name, act, d) in enumerate(zip(names, self.graph.activations, self.schedule.decisions)):
@@ -324,16 +327,17 @@ class Plan:
                 continue
             shape, dtype = self._meta(a)
             swapped = d is Decision.SWAP
-            row = [str(act.graph), name, self.module_of(a) or "-", _op_label(self.graph.ops[act.producer].target), shape, dtype,
-                   format_bytes(self.graph.buffers[act.buffer].nbytes), d.value,
+            row = [str(act.graph), name, self.module_of(a) or "-", _op_label(self.graph.ops[act.producer].target),
+                   shape, dtype, format_bytes(self.graph.buffers[act.buffer].nbytes), d.value,
                    self._fmt_time(self.timeline.stall.get(a, 0.0)) if swapped else "-",
                    self._fmt_time(self._late_offload(a)) if swapped else "-"]
             if with_over:
                 o = self.overheads(a)
                 row += [self._fmt_time(o.swap_overhead, signed=True),
                         self._fmt_time(o.recompute_overhead, signed=True), format_r(o.r)]
+                progress.update()
             rows.append(row)
-        return headers, rows
+        return rows
 
     def summary_rows(self) -> list[list[str]]:
         """The totals under the table: limit, peaks, host bytes, counts, step time."""

@@ -30,6 +30,7 @@ from .costmodel import analytic_time
 from .errors import InvalidProfile
 from .graph import NodeTable, StepGraph
 from .hardware import Hardware, Link, LinkCalibration
+from .progress import stage
 from .schedule import Decision, build_schedule
 from .simulator import Costs, simulate
 
@@ -260,14 +261,18 @@ def _in_situ(table: NodeTable, example_args: Sequence[list[Any]], device: torch.
 def _per_node(table: NodeTable, clock: Callable[[], Callable[[], float]], repeats: int) -> dict[str, list[float]]:
     """Each call_function node alone on fresh inputs, freed before the next node."""
     samples: dict[str, list[float]] = {}
-    for g, pair in enumerate(table.pairs):
-        for phase, gm in (("forward", pair.forward), ("backward", pair.backward)):
+    graphs = [(g, phase, gm) for g, pair in enumerate(table.pairs)
+              for phase, gm in (("forward", pair.forward), ("backward", pair.backward))]
+    total = sum(1 for _, _, gm in graphs for n in gm.graph.nodes if n.op == "call_function")
+    with stage("profiling node by node", total, "node") as progress:
+        for g, phase, gm in graphs:
             for node in gm.graph.nodes:
                 if node.op != "call_function":
                     continue
                 key = f"{g}/{phase}/{node.name}"
                 # getitem picks an element of a multi-output node's result: no kernel
                 samples[key] = [0.0] if node.target is operator.getitem else _bench_node(node, clock, repeats)
+                progress.update()
     return samples
 
 
