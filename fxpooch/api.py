@@ -40,8 +40,8 @@ class CompileOptions:
     "per-node", or "auto" (in situ when the in-core step fits under the limit, else each node
     alone). ``margin``: device memory kept out of the plan for the allocator's fragmentation, a
     :class:`~fxpooch.memory.Margin`, bytes, or None: 5% of the limit on CUDA, 0 on CPU and meta.
-    ``host_pool_limit``: bytes the pinned pool of host copies may hold (None: unbounded);
-    exceeding it raises :class:`~fxpooch.errors.HostPoolExhausted`. A bad ``margin``,
+    ``host_pool_limit``: bytes the pinned pool of host copies may hold (None: the host memory
+    available when compiling; a plan needing more is warned about); exceeding it raises :class:`~fxpooch.errors.HostPoolExhausted`. A bad ``margin``,
     ``host_pool_limit`` or profile path is reported here, before anything runs.
     """
 
@@ -125,7 +125,7 @@ class CompiledModule(nn.Module):
         #: plans made after the first one (each new input shape or train/eval switch makes one)
         self.replans = 0
         limit = options.host_pool_limit
-        self.host_pool = HostPool(limit_bytes=None if limit is None else parse_bytes(limit, "host_pool_limit"))
+        self.host_pool = HostPool() if limit is None else HostPool(limit_bytes=parse_bytes(limit, "host_pool_limit"))
 
     # -- public inspection -----------------------------------------------------------------
     @property
@@ -136,7 +136,8 @@ class CompiledModule(nn.Module):
 
     @property
     def host_pool_bytes(self) -> int:
-        """Bytes of host (pinned on CUDA) memory this module's pool holds for swapped activations."""
+        """Bytes of host memory this module's pool holds for swapped activations (pinned on CUDA;
+        ``host_pool.pinned_bytes`` says how much is page-locked)."""
         return self.host_pool.total_bytes
 
     @property
@@ -177,7 +178,9 @@ class CompiledModule(nn.Module):
             return self._compiled(*args, **kwargs)
 
     def _plan_for(self, args: tuple, kwargs: dict) -> _Planned:
-        return _make_plan(self._compiled, self._recorder, self.model, args, kwargs, self.mem_limit, self.options)
+        planned = _make_plan(self._compiled, self._recorder, self.model, args, kwargs, self.mem_limit, self.options)
+        self.host_pool.check_plan(planned.plan.host_bytes)
+        return planned
 
 
 def _resolve_profile(options: CompileOptions, graph: StepGraph, table: NodeTable, inputs: list,

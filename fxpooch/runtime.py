@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import HostPoolExhausted
+from .limits import host_available_bytes
+from .units import format_bytes
 
 log = logging.getLogger("fxpooch.runtime")
 
@@ -35,7 +37,8 @@ _lib.define("drop(Tensor x) -> Tensor")
 @dataclass
 class HostPool:
     """Host blocks (pinned on CUDA machines) for the host copies of swapped activations, reused
-    across steps and bounded by ``limit_bytes`` (None: no bound).
+    across steps and bounded by ``limit_bytes`` (by default the host memory available when the
+    pool is made; None: no bound).
 
     A block returns to the pool when its prefetch is issued, tagged with that copy's CUDA event
     (or when the host copy is dropped without one: a forward whose backward never runs). A block
@@ -45,7 +48,7 @@ class HostPool:
     shape's plan); if the blocks in use still leave no room, :class:`HostPoolExhausted`.
     """
 
-    limit_bytes: int | None = None
+    limit_bytes: int | None = field(default_factory=host_available_bytes)
     pin: bool = field(default_factory=torch.cuda.is_available)
     free: dict[int, list[tuple[torch.Tensor, object]]] = field(default_factory=dict)  # size -> (block, event)
     in_use: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)  # data_ptr -> (token, block)
@@ -73,6 +76,21 @@ class HostPool:
         host = torch.empty(0, dtype=like.dtype).set_(block.untyped_storage(), 0, like.shape, like.stride())
         weakref.finalize(host, self._dropped, block.data_ptr(), token)
         return host, after
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of page-locked memory held (0 without CUDA: the blocks are ordinary host memory)."""
+        return self.total_bytes if self.pin else 0
+
+    def check_plan(self, host_bytes: int) -> bool:
+        """Warn (and return False) when a plan's host copies, ``host_bytes`` per step, exceed the bound."""
+        if self.limit_bytes is None or host_bytes <= self.limit_bytes:
+            return True
+        log.warning("the plan swaps %s to host memory per step but the host pool may hold %s (host_pool_limit; by "
+                    "default the host memory available when compiling): the step will raise HostPoolExhausted. Add "
+                    "host memory, raise host_pool_limit, or give the plan more device memory", format_bytes(host_bytes),
+                    format_bytes(self.limit_bytes))
+        return False
 
     @property
     def in_use_bytes(self) -> int:
