@@ -274,7 +274,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(fraction=args.fraction, steps=args.steps, device=args.device, out_dir=args.out)
+    return run_demo(fraction=args.fraction, steps=args.steps, device=args.device, out_dir=args.out,
+                    gpu_preset=args.gpu_preset)
 
 
 # -- entry point -------------------------------------------------------------------------------
@@ -310,6 +311,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive_int, default=3,
                       help="training steps run next to an eager copy, gradients compared after each (default 3)")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    demo.add_argument("--gpu-preset", default="v100-pcie3", metavar="PRESET",
+                      help="without CUDA, also plan the model for this GPU preset from analytic costs "
+                           "(default v100-pcie3)")
     demo.add_argument("--out", default=DEFAULT_OUT, help=f"folder for the trace and the SVG (default {DEFAULT_OUT})")
 
     for name, helptext in (("plan", "plan one model: print the plan, write its trace and memory SVG"),

@@ -103,6 +103,18 @@ def test_demo_writes_trace_and_svg(tmp_path):
     assert "-> OK" in r.stdout
     assert (tmp_path / "demo.trace.json").exists() and (tmp_path / "demo.svg").exists()
     assert f"wrote {tmp_path / 'demo.trace.json'}" in r.stdout
+    if torch.cuda.is_available():
+        return
+    # without CUDA: what the run means, then the GPU preset's plan, where all three decisions appear
+    assert "the same memory" in r.stdout and "saves nothing on this machine" in r.stdout
+    gpu = r.stdout.split("planned for a GPU (v100-pcie3")[1]
+    counts = dict(zip(("keep", "swap", "recompute"),
+                      map(int, gpu.split("keep / swap / recompute")[1].splitlines()[0].split(" / "))))
+    assert all(n > 0 for n in counts.values()), counts
+    assert f"keep {counts['keep']}, swap {counts['swap']}, recompute {counts['recompute']}" in gpu
+    svg = tmp_path / "demo-v100-pcie3.svg"
+    assert svg.read_text().startswith("<svg") and f"wrote {svg}" in gpu
+    assert "ordinary (not pinned: no CUDA)" in r.stdout
 
 
 class _Pair:
