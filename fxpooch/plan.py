@@ -68,11 +68,12 @@ def module_path(node_meta: dict) -> str:
 
 
 def module_paths(graph: StepGraph, table: NodeTable) -> tuple[str, ...]:
-    """The module that saved each activation (for :attr:`Plan.module_paths`)."""
+    """The module whose forward made each activation's storage (for :attr:`Plan.module_paths`): the
+    producing op's module, as the table's op column; its saved view's module if the op has no stack."""
     out = []
     for act in graph.activations:
-        path = module_path(table.nodes[act.members[0]].meta) or module_path(table.nodes[act.producer].meta)
-        out.append(path)
+        producer = table.nodes[act.producer].meta
+        out.append(module_path(producer if "nn_module_stack" in producer else table.nodes[act.members[0]].meta))
     return tuple(out)
 
 
@@ -166,7 +167,8 @@ class Plan:
     activation_meta: tuple[ActivationMeta, ...] = field(default=(), repr=False)
     #: device bytes kept free under ``mem_limit`` for the allocator's fragmentation (planned against the rest)
     margin_bytes: int = 0
-    #: per activation (graph order): the path of the module that saved it ("": top level); empty when unknown
+    #: per activation (graph order): the path of the module that made it ("": the model's own forward); empty
+    #: when unknown
     module_paths: tuple[str, ...] = field(default=(), repr=False)
 
     def module_of(self, index: int) -> str:
@@ -369,7 +371,8 @@ class Plan:
         table = tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
         folded = self._folded_line(self.folded()) if fold else ""
         unit, _ = self._time_unit()
-        notes = [f"module: where the model saved it (model.named_modules() path). stall: compute waited for the "
+        notes = [f"module: the module that made it (its model.named_modules() path; - the model's own forward). "
+                 f"stall: compute waited for the "
                  f"prefetch; late d2h: offload ran past the forward's end ({unit})."]
         if "r(X)" in headers:
             notes.append("swap + / recompute +: simulated step time vs keeping it, the others as planned (negative: "
