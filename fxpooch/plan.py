@@ -22,7 +22,7 @@ from .graph import NodeTable, StepGraph
 from .planners.common import Evaluator, Problem
 from .profile import Profile
 from .progress import Stage, stage
-from .schedule import Decision, Kind, NotRecomputable, Schedule, build_schedule, recompute_chain
+from .schedule import Decision, NotRecomputable, Schedule, build_schedule, recompute_chain
 from .simulator import Timeline, simulate
 from .units import format_bytes
 
