@@ -239,3 +239,17 @@ def test_help_says_the_defaults():
     assert "'device'" in plan_help and "'16G'" not in plan_help or "8G" in plan_help
     demo_help = " ".join(_run("demo", "--help").stdout.split())
     assert "--steps STEPS training steps" in demo_help and "(default 3)" in demo_help
+
+
+def test_compile_takes_a_share_of_each_shapes_in_core_peak_and_device_on_cpu():
+    import fxpooch
+    from fxpooch.limits import host_available_bytes
+    from zoo import mlp
+
+    model, x = mlp()
+    cm = fxpooch.compile(model, x, "95%", profile="analytic", hardware="cpu")
+    assert cm.plan.mem_limit == max(1, int(cm.plan.in_core_peak_bytes * 95 / 100))
+    cm(x[: x.shape[0] // 2]).sum().backward()  # a new shape: 95% of its own in-core peak
+    assert cm.plan.mem_limit == max(1, int(cm.plan.in_core_peak_bytes * 95 / 100))
+    everything = fxpooch.plan(model, x, "device", profile="analytic", hardware="cpu").mem_limit
+    assert abs(everything - host_available_bytes()) < everything // 4  # the host memory available, as it moves
