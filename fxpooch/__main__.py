@@ -217,6 +217,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     limit = resolve_cli_limit(args, base)
     with stage(f"planning {label} with {args.planner}"):
         plan = replan(base, args.planner, limit)
+    for name in args.explain or ():
+        plan.indices(name)  # an unknown name fails before the table
     if args.save_profile:
         plan.profile.save(args.save_profile)
         print(f"saved the profile to {args.save_profile}")

@@ -52,11 +52,13 @@ def test_bad_mem_limit_exits_2_with_a_message(limit, words, capsys, tmp_path):
     (["plan", "no_such_module_xyz:build", "--mem-limit", "1GiB"], "cannot import model module"),
     (["plan", f"{REPO / 'tests' / 'zoo.py'}:nope", "--mem-limit", "1GiB"], "no callable 'nope'"),
     (["compare", MLP, "--mem-limit", "1GiB", "--profile", "missing.json"], "no such file"),
+    (["plan", MLP, "--mem-limit", "1GiB", *ANALYTIC, "--explain", "9.nope"], "unknown activation or module '9.nope'"),
 ])
 def test_unknown_names_exit_2(argv, words, capsys, tmp_path):
     assert main([*argv, *(["--out", str(tmp_path)] if argv[0] == "plan" else [])]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert words in err and "Traceback" not in err
+    assert "planned peak" not in out  # the mistake is reported before the plan is printed
 
 
 def test_infeasible_exits_3_naming_the_floor(tmp_path):
