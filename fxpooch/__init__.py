@@ -8,7 +8,7 @@ from __future__ import annotations
 from . import runtime as _runtime  # noqa: F401  (registers the fxpooch:: ops)
 from .api import CompiledModule, CompileOptions, compile, plan
 from .errors import (FxpoochError, HostPoolExhausted, InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidProfile,
-                     UnknownName, UnsupportedModel)
+                     PendingBackward, ReplanLimitExceeded, UnknownName, UnsupportedModel)
 from .memory import Margin
 from .hardware import PRESETS as HARDWARE_PRESETS
 from .hardware import Hardware, Link
@@ -21,5 +21,5 @@ __version__ = "0.1.0"
 __all__ = [
     "HARDWARE_PRESETS", "PLANNERS", "CompileOptions", "CompiledModule", "FxpoochError", "Hardware",
     "HostPoolExhausted", "InfeasibleMemoryLimit", "Margin", "InvalidMemoryLimit", "InvalidProfile", "Link", "Plan", "Profile",
-    "UnknownName", "UnsupportedModel", "compile", "plan",
+    "PendingBackward", "ReplanLimitExceeded", "UnknownName", "UnsupportedModel", "compile", "plan",
 ]
