@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -297,3 +298,98 @@ def test_training_loop_stays_under_the_limit(name: str, which: str):
     assert floor <= limit < in_core, (floor, limit, in_core)  # the scenario is out of core at both limits
     ratios = train(name, limit)
     assert max(ratios) <= TOLERANCE, [round(r, 3) for r in ratios]
+
+
+# -- what re-plans, what raises ----------------------------------------------------------------
+def chain_at(limit_share: float = 0.6, **kw) -> tuple[nn.Module, torch.Tensor, fxpooch.CompiledModule]:
+    model, x = make(Scenario(lambda: (Chain(), (rand(BATCH, WIDTH),))))
+    in_core, _ = limits("graph_break" if kw.get("graph_break") else "noncontiguous_input")
+    return model, x[0], fxpooch.compile(model, x, int(limit_share * in_core), **ANALYTIC, **kw)
+
+
+def test_a_new_dynamo_graph_is_planned_with_its_reason_logged(caplog):
+    model, x, cm = chain_at()
+    first = cm.plan
+    with caplog.at_level(logging.INFO, logger="fxpooch"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cm(x).float().sum().backward()
+    replans = [r.message for r in caplog.records if "planning again" in r.message]
+    assert len(replans) == 1, replans
+    assert cm.plan is not first
+    model.zero_grad(set_to_none=True)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fxpooch"):
+        cm(x).sum().backward()  # the first plan again, from the cache
+    assert not [r for r in caplog.records if "planning" in r.message]
+    assert cm.plan is first
+
+
+def test_past_max_plans_the_error_names_dynamos_reason():
+    model, (x,) = make(SCENARIOS["item_branch"])
+    cm = fxpooch.compile(model, x, "1GiB", max_plans=1, **ANALYTIC)
+    with pytest.raises(fxpooch.ReplanLimitExceeded, match=r"item\(\)") as info:
+        cm(x * 0.01).sum().backward()  # the other branch: a new graph after the .item() graph break
+    assert "dynamo compiled graph" in str(info.value), str(info.value)
+
+
+def test_a_forward_that_changes_what_dynamo_guards_on_is_refused():
+    model, (x,) = make(SCENARIOS["noncontiguous_input"])
+    calls = []
+    model.net[0].register_forward_hook(lambda mod, inputs, out: calls.append(1) or out)
+    cm = fxpooch.compile(model, x, "1GiB", **ANALYTIC)
+    with pytest.raises(fxpooch.UnsupportedModel, match='guard on "calls"'):
+        cm(x).sum().backward()
+
+
+def test_two_forwards_before_one_backward_raise_and_say_what_to_do():
+    model, x, cm = chain_at()
+    a, b = x, x.flip(0)
+    with pytest.raises(fxpooch.PendingBackward, match="backward on each forward"):
+        (cm(a).sum() + cm(b).sum()).backward()
+    # what the message suggests: one backward per forward, gradients accumulate as in eager
+    eager = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    for m in (cm, eager):
+        m(a).sum().backward()
+        m(b).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    # a forward whose outputs were dropped without backward holds nothing: the next one runs
+    model.zero_grad(set_to_none=True)
+    cm(a)
+    cm(b).sum().backward()
+
+
+def test_the_inspected_backward_graph_is_the_one_that_runs():
+    model, x, cm = chain_at()
+    calls = []
+    for g in (*cm.forward_graphs, *cm.backward_graphs):
+        g.register_forward_pre_hook(lambda mod, args, g=g: calls.append(g))
+    cm(x).sum().backward()
+    assert calls == [*cm.forward_graphs, *reversed(cm.backward_graphs)]
+
+
+class FailsOnOddBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        if x.shape[0] % 2:
+            raise ValueError("odd batch")
+        return self.b(h)
+
+
+def test_a_failed_call_keeps_no_inputs():
+    torch.manual_seed(0)
+    model, x = FailsOnOddBatch(), rand(BATCH, WIDTH)
+    cm = fxpooch.compile(model, x, "1GiB", **ANALYTIC)
+    odd = rand(BATCH - 1, WIDTH)
+    with pytest.raises(ValueError, match="odd batch"):
+        cm(odd)  # a new shape: captured, and the capture fails after the first graph
+    assert cm._recorder.args == []
+    ref = weakref.ref(odd.untyped_storage())
+    del odd
+    assert ref() is None, "the failed call's input is still referenced"
