@@ -393,3 +393,42 @@ def test_a_failed_call_keeps_no_inputs():
     ref = weakref.ref(odd.untyped_storage())
     del odd
     assert ref() is None, "the failed call's input is still referenced"
+
+
+# -- profiling inside the step's memory --------------------------------------------------------
+def test_in_situ_profiling_at_the_in_core_limit_stays_under_it():
+    """Compiling at the in-core peak (profiled in situ) and re-planning for a new batch inside training."""
+    model, (x,) = make(SCENARIOS["noncontiguous_input"])
+    in_core, _ = limits("noncontiguous_input")
+    compiled = {}
+
+    def compile_step():
+        compiled["cm"] = fxpooch.compile(model, x, in_core, profile="measure", hardware="cpu")
+
+    assert measured_peak(model, (x,), compile_step) <= in_core
+    cm = compiled["cm"]
+    assert cm.plan.profile.source == "cpu-timer"  # in situ
+    half = x[: BATCH // 2].clone()
+    assert measured_peak(model, (half,), lambda: cm(half).sum().backward()) <= in_core  # re-plans in situ
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_per_node_profiling_under_bf16_autocast_with_layer_norm():
+    torch.manual_seed(0)
+    model, x = Normed(), rand(BATCH // 4, WIDTH)
+    eager = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cm = fxpooch.compile(model, x, "1GiB", profile="measure", hardware="cpu", profile_mode="per-node")
+        assert cm.plan.profile.source == "cpu-timer per-node"
+        cm(x).float().sum().backward()
+        eager(x).float().sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)
