@@ -119,7 +119,7 @@ def graph_break_reasons() -> list[str]:
     """Why dynamo broke graphs or skipped frames in this process (for error messages)."""
     from torch._dynamo.utils import counters
 
-    return [str(r) for r in counters.get("graph_break", {})]
+    return [str(r).strip().splitlines()[0] for r in counters.get("graph_break", {}) if str(r).strip()]
 
 
 def cuda_sleep(cycles: int) -> None:

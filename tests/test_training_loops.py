@@ -434,3 +434,51 @@ def test_per_node_profiling_under_bf16_autocast_with_layer_norm():
         eager(x).float().sum().backward()
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)
+
+
+# -- the memory model counts what runs ---------------------------------------------------------
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU())
+                                    for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+#: what the planned in-core peak of a checkpointed model may still exceed the measured one by
+#: (the recomputed nodes get their own buffers; the remaining gap, about one activation, is not
+#: yet explained)
+CHECKPOINT_SLACK = 1.15
+
+
+def test_checkpointed_recomputation_is_counted_on_its_own_buffers():
+    torch.manual_seed(0)
+    model, x = Checkpointed(), rand(BATCH, WIDTH)
+    eager = copy.deepcopy(model)
+    cm = fxpooch.compile(model, x, "1TiB", **ANALYTIC)
+    measured = measured_peak(model, (x,), lambda: cm(x).sum().backward())
+    planned = cm.plan.in_core_peak_bytes
+    assert measured <= planned <= CHECKPOINT_SLACK * measured, (planned, measured)
+    eager(x).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+# -- errors that say what happened -------------------------------------------------------------
+def test_a_model_dynamo_runs_eagerly_is_named_so(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not built")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)))
+        with pytest.raises(fxpooch.UnsupportedModel, match="ran the model eagerly") as info:
+            fxpooch.compile(model, torch.randn(4, 8), "1GiB", **ANALYTIC)
+        assert "requires_grad" not in str(info.value)
+        assert "Compile the inner module" in str(info.value)
+    finally:
+        dist.destroy_process_group()
