@@ -93,8 +93,8 @@ class ItemBranch(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.a = Chain(6)
-        self.b = Chain(6)
+        self.a = Chain(8)
+        self.b = Chain(8)
 
     def forward(self, x):
         h = self.a(x)
@@ -200,7 +200,7 @@ SCENARIOS = {
     # (32 narrow layers: the existing gradients are a large share of the limit)
     "grad_accumulation": Scenario(lambda: (Chain(32), (rand(1536, WIDTH),)), steps=3, accumulate=3),
     # what already worked
-    "graph_break": Scenario(lambda: (Chain(graph_break=True), (rand(BATCH, WIDTH),))),
+    "graph_break": Scenario(lambda: (Chain(16, graph_break=True), (rand(BATCH, WIDTH),))),
     "siamese": Scenario(lambda: (Siamese(), (rand(BATCH, WIDTH), rand(BATCH, WIDTH)))),
     "custom_function": Scenario(lambda: (Chain(custom=True), (rand(BATCH, WIDTH),))),
     "views_inplace_scatter": Scenario(lambda: (Chain(views=True), (rand(BATCH, WIDTH),))),
