@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from . import runtime as _runtime  # noqa: F401  (registers the fxpooch:: ops)
 from .api import CompiledModule, CompileOptions, compile, plan
-from .errors import (FxpoochError, HostPoolExhausted, InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidProfile,
-                     UnknownName, UnsupportedModel)
+from .errors import (FxpoochError, HostPoolExhausted, InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidOption, InvalidProfile,
+                     PendingBackward, ReplanLimitExceeded, UnknownName, UnsupportedModel)
 from .memory import Margin
 from .hardware import PRESETS as HARDWARE_PRESETS
 from .hardware import Hardware, Link
@@ -20,6 +20,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HARDWARE_PRESETS", "PLANNERS", "CompileOptions", "CompiledModule", "FxpoochError", "Hardware",
-    "HostPoolExhausted", "InfeasibleMemoryLimit", "Margin", "InvalidMemoryLimit", "InvalidProfile", "Link", "Plan", "Profile",
-    "UnknownName", "UnsupportedModel", "compile", "plan",
+    "HostPoolExhausted", "InfeasibleMemoryLimit", "Margin", "InvalidMemoryLimit", "InvalidOption", "InvalidProfile", "Link", "Plan", "Profile",
+    "PendingBackward", "ReplanLimitExceeded", "UnknownName", "UnsupportedModel", "compile", "plan",
 ]

@@ -97,10 +97,29 @@ def fresh_entry(model: Callable, tag: str) -> Callable:
 
 
 def dispatch_mode_active() -> bool:
-    """True under a TorchDispatchMode (dynamo then runs the model eagerly, without our graphs)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    """True under a TorchDispatchMode that makes dynamo run the model eagerly, without our graphs
+    (a mode whose ``ignore_compile_internals()`` is True leaves compiled code alone)."""
+    import torch.utils._python_dispatch as pd
 
-    return _get_current_dispatch_mode() is not None
+    if pd._get_current_dispatch_mode() is None:
+        return False
+    check = getattr(pd, "is_in_any_mode_without_ignore_compile_internals", None)
+    return True if check is None else check()
+
+
+def recompile_reasons() -> list[str]:
+    """Every guard failure dynamo recorded in this process (why it compiled a frame again),
+    oldest first per code object; each reason names its compile id, so they are unique."""
+    from torch._dynamo.utils import guard_failures
+
+    return [r for reasons in list(guard_failures.values()) for r in reasons]
+
+
+def graph_break_reasons() -> list[str]:
+    """Why dynamo broke graphs or skipped frames in this process (for error messages)."""
+    from torch._dynamo.utils import counters
+
+    return [str(r).strip().splitlines()[0] for r in counters.get("graph_break", {}) if str(r).strip()]
 
 
 def cuda_sleep(cycles: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -13,8 +14,9 @@ import torch.nn as nn
 
 from . import _torch_compat as compat
 from .debug import dump_graphs
-from .capture import GraphPair, Recorder, capture_step
-from .errors import InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidProfile, UnsupportedModel
+from .capture import GraphPair, Recorder, StepSnapshot, UnplannedGraph, capture_step
+from .errors import (InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidOption, InvalidProfile, PendingBackward,
+                     ReplanLimitExceeded, UnsupportedModel)
 from .graph import NodeTable, StepGraph, build_step_graph
 from .hardware import Hardware, Link, get_hardware
 from .limits import default_margin, resolve_limit
@@ -41,8 +43,11 @@ class CompileOptions:
     alone). ``margin``: device memory kept out of the plan for the allocator's fragmentation, a
     :class:`~fxpooch.memory.Margin`, bytes, or None: 5% of the limit on CUDA, 0 on CPU and meta.
     ``host_pool_limit``: bytes the pinned pool of host copies may hold (None: the host memory
-    available when compiling; a plan needing more is warned about); exceeding it raises :class:`~fxpooch.errors.HostPoolExhausted`. A bad ``margin``,
-    ``host_pool_limit`` or profile path is reported here, before anything runs.
+    available when compiling; a plan needing more is warned about); exceeding it raises
+    :class:`~fxpooch.errors.HostPoolExhausted`. ``max_plans``: how many plans (one per set of
+    graphs dynamo compiles for a step, input signature and gradient state) a compiled module makes
+    before it raises :class:`~fxpooch.errors.ReplanLimitExceeded`. A bad ``margin``,
+    ``host_pool_limit``, ``max_plans`` or profile path is reported here, before anything runs.
     """
 
     planner: str = "pooch"
@@ -52,6 +57,7 @@ class CompileOptions:
     profile_mode: str = "auto"
     margin: Margin | int | str | None = None
     host_pool_limit: int | str | None = None
+    max_plans: int = 8
 
     def __post_init__(self) -> None:
         ProfileOptions(self.profile_mode)  # fail fast on an unknown mode
@@ -62,6 +68,8 @@ class CompileOptions:
                                  "or the path of a saved profile")
         if self.host_pool_limit is not None:
             parse_bytes(self.host_pool_limit, "host_pool_limit")
+        if isinstance(self.max_plans, bool) or not isinstance(self.max_plans, int) or self.max_plans < 1:
+            raise InvalidOption(f"max_plans={self.max_plans!r}: pass a whole number of plans, at least 1")
 
     def margin_for(self, device: torch.device) -> Margin:
         if self.margin is None:
@@ -72,6 +80,14 @@ class CompileOptions:
 
 
 _entries = itertools.count()
+
+
+def _guards_on_own_effects(cause: str) -> UnsupportedModel:
+    return UnsupportedModel(
+        f"dynamo compiles a new graph each time this step runs ({cause}): the forward changes Python state "
+        "that dynamo specialises on (it appends to a list, increments a counter, ...), so no plan can be made "
+        "before the graph runs. Keep such state out of the compiled forward (wrap the function that changes it "
+        "in torch.compiler.disable), or make it a tensor")
 
 
 def _compile_entry(model: nn.Module, recorder: Recorder) -> Any:
@@ -103,6 +119,15 @@ def _modes(model: nn.Module) -> tuple[bool, ...]:
     return tuple(m.training for m in model.modules())
 
 
+def _grad_state(model: nn.Module) -> tuple[bool, ...]:
+    """Which parameters already hold a ``.grad`` (gradient accumulation keeps them resident)."""
+    return tuple(p.grad is not None for p in model.parameters())
+
+
+def _autocast_state() -> tuple:
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
+
+
 def _step_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
     for t in [*model.parameters(), *compat.tree_leaves((args, kwargs))]:
         if isinstance(t, torch.Tensor):
@@ -111,7 +136,14 @@ def _step_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
 
 
 class CompiledModule(nn.Module):
-    """Runs ``model`` through the planned graphs; called exactly like ``model``."""
+    """Runs ``model`` through the planned graphs; called exactly like ``model``.
+
+    Every graph pair that runs with gradients enabled belongs to the plan bound for the step. A
+    plan is chosen by the input signature, the modules' modes, autocast and which parameters
+    already hold gradients; if dynamo still compiles a graph the plan does not hold (one of its
+    guards failed), the step is stopped before that graph runs, its effects so far are undone,
+    and it runs again under a plan that holds the graph (made now if none does).
+    """
 
     def __init__(self, model: nn.Module, mem_limit: int, options: CompileOptions):
         super().__init__()
@@ -120,10 +152,12 @@ class CompiledModule(nn.Module):
         self.options = options
         self._recorder = Recorder()
         self._compiled = _compile_entry(model, self._recorder)
-        self._plans: dict[tuple, _Planned] = {}
+        self._plans: dict[tuple, _Planned] = {}  # (graph pairs of the step, gradient state) -> plan
+        self._predicted: dict[tuple, tuple] = {}  # what the Python side sees -> plan key last used for it
         self._current: _Planned | None = None
-        #: plans made after the first one (each new input shape or train/eval switch makes one)
+        #: plans made after the first one (a new input shape, train/eval switch, or graph dynamo recompiled)
         self.replans = 0
+        self._pending: tuple[GraphPair, int, list[weakref.ref]] | None = None
         limit = options.host_pool_limit
         self.host_pool = HostPool() if limit is None else HostPool(limit_bytes=parse_bytes(limit, "host_pool_limit"))
 
@@ -142,7 +176,7 @@ class CompiledModule(nn.Module):
 
     @property
     def forward_graphs(self) -> list[torch.fx.GraphModule]:
-        """The rewritten forward GraphModules of the current plan, in execution order."""
+        """The rewritten forward GraphModules of the current plan, in execution order (the objects that run)."""
         return [p.run_forward for p in self._current.pairs]
 
     @property
@@ -160,26 +194,77 @@ class CompiledModule(nn.Module):
             # no_grad / inference_mode (evaluation): no backward, nothing saved, nothing to plan
             with compat.dynamo_limits():
                 return self._compiled(*args, **kwargs)
-        key = (_modes(self.model), _signature(args, kwargs))
-        planned = self._plans.get(key)
+        self._check_previous_backward()
+        grads = _grad_state(self.model)
+        seen_as = (_modes(self.model), _signature(args, kwargs), grads, _autocast_state())
+        planned = self._plans.get(self._predicted.get(seen_as))
         if planned is None:
-            if self._plans:
-                self.replans += 1
-                log.warning("a new input shape (or train/eval switch): planning again, with a new capture and "
-                            "profile (%d plans so far, compiled.replans = %d); inputs of many different shapes, e.g. "
-                            "variable-length batches, should be padded to a few fixed shapes", len(self._plans),
-                            self.replans)
-            planned = self._plan_for(args, kwargs)
-            self._plans[key] = planned
+            planned = self._replan(args, kwargs, "a new input signature, module mode, autocast or gradient state")
+        captured_upto = None  # number of graphs dynamo had compiled when this step was last captured
+        for _ in range(self.options.max_plans + 2):
+            self._use(planned)
+            snapshot = StepSnapshot(planned.changed_buffers, (args, kwargs))
+            try:
+                with using_pool(self.host_pool), compat.dynamo_limits(), self._recorder.running_plan(planned.pairs):
+                    out = self._compiled(*args, **kwargs)
+            except UnplannedGraph as e:
+                snapshot.restore()
+                if captured_upto is not None and e.ran[-1].index >= captured_upto:
+                    raise _guards_on_own_effects(e.cause) from None
+                found = self._find(list(e.ran), grads, prefix=True)
+                if found is None:
+                    found = self._replan(args, kwargs, e.cause)
+                    captured_upto = len(self._recorder.pairs)
+                planned = found
+                continue
+            self._predicted[seen_as] = planned.key
+            self._note_step(planned, out)
+            return out
+        raise ReplanLimitExceeded(len(self._plans), "the step kept running graphs of no plan")
+
+    def _check_previous_backward(self) -> None:
+        """A second forward while the previous one's backward is still to run would hold both steps'
+        activations: the plan is for one step."""
+        if self._pending is None:
+            return
+        first, calls, outputs = self._pending
+        if first.backward_calls == calls and any(r() is not None for r in outputs):
+            raise PendingBackward()
+        self._pending = None
+
+    def _note_step(self, planned: _Planned, out: Any) -> None:
+        nodes = {id(t.grad_fn): t.grad_fn for t in compat.tree_leaves(out)
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        first = planned.pairs[0]
+        self._pending = (first, first.backward_calls, [weakref.ref(n) for n in nodes.values()]) if nodes else None
+
+    def _use(self, planned: _Planned) -> None:
         if planned is not self._current:
             planned.bind()
             self._current = planned
-        with using_pool(self.host_pool), compat.dynamo_limits():
-            return self._compiled(*args, **kwargs)
 
-    def _plan_for(self, args: tuple, kwargs: dict) -> _Planned:
-        planned = _make_plan(self._compiled, self._recorder, self.model, args, kwargs, self.mem_limit, self.options)
+    def _find(self, ran: list[GraphPair], grads: tuple[bool, ...], prefix: bool = False) -> _Planned | None:
+        for (pairs, state), planned in self._plans.items():
+            if state == grads and (list(pairs[:len(ran)]) == ran if prefix else not ran):
+                return planned
+        return None
+
+    def _replan(self, args: tuple, kwargs: dict, cause: str) -> _Planned:
+        """The plan of the graphs this step runs: a cached one if its graphs were planned already."""
+        step = _capture(self._compiled, self._recorder, self.model, args, kwargs)
+        known = self._plans.get(step.key)
+        if known is not None:
+            return known
+        if len(self._plans) >= self.options.max_plans:
+            raise ReplanLimitExceeded(len(self._plans), cause)
+        if self._plans:
+            self.replans += 1
+            log.warning("planning again, with a new capture and profile (%d plans so far, compiled.replans = %d): "
+                        "%s. Inputs of many different shapes, e.g. variable-length batches, should be padded to "
+                        "a few fixed shapes", len(self._plans), self.replans, cause)
+        planned = _plan_captured(step, self.model, self.mem_limit, self.options)
         self.host_pool.check_plan(planned.plan.host_bytes)
+        self._plans[planned.key] = planned
         return planned
 
 
@@ -207,21 +292,53 @@ def _resolve_profile(options: CompileOptions, graph: StepGraph, table: NodeTable
     return profile.with_link(options.link) if options.link else profile
 
 
+@dataclass
+class _Captured:
+    """One captured step, not yet profiled or planned."""
+
+    pairs: list[GraphPair]
+    inputs: list[list[Any]]
+    changed_buffers: list[tuple[nn.Module, str]]
+    grads: tuple[bool, ...]
+    device: torch.device
+    resident: list[torch.Tensor]
+
+    @property
+    def key(self) -> tuple:
+        return tuple(self.pairs), self.grads
+
+
+def _capture(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple, kwargs: dict) -> _Captured:
+    changed: list[tuple[nn.Module, str]] = []
+    with compat.dynamo_limits(), stage("capturing the training step"):
+        pairs, inputs = capture_step(compiled, recorder, model, args, kwargs, changed)
+    # resident through the step: parameters, buffers, existing gradients (accumulated into), inputs,
+    # and the copies of the buffers the forward changes (kept to undo a step that an unplanned graph stops)
+    resident = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
+                *(t for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
+    copies = [torch.empty_like(mod._buffers[name]) for mod, name in changed]
+    return _Captured(pairs, inputs, changed, _grad_state(model), _step_device(model, args, kwargs),
+                     resident + copies)
+
+
 def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple, kwargs: dict,
                mem_limit: int | InCoreShare, options: CompileOptions) -> _Planned:
     """Capture one step, profile it, plan it. Nothing is rewritten or bound yet."""
-    device = _step_device(model, args, kwargs)
+    return _plan_captured(_capture(compiled, recorder, model, args, kwargs), model, mem_limit, options)
+
+
+def _plan_captured(step: _Captured, model: nn.Module, mem_limit: int | InCoreShare,
+                   options: CompileOptions) -> _Planned:
+    device, pairs = step.device, step.pairs
     memory = MemoryModel.for_device(device)
-    with compat.dynamo_limits(), stage("capturing the training step"):
-        pairs, pair_inputs = capture_step(compiled, recorder, model, args, kwargs)
-    resident = memory.resident_bytes(
-        [*model.parameters(), *model.buffers(),
-         *(t for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))])
+    resident = memory.resident_bytes(step.resident)
+    step.resident = []
     graph, table = build_step_graph(pairs, memory, resident)
     if isinstance(mem_limit, InCoreShare):  # "60%": of this step's in-core peak
         mem_limit = mem_limit.of(in_core_peak_bytes(graph))
     margin = options.margin_for(device)
     reserve = margin.of(mem_limit)
+    pair_inputs, step.inputs = step.inputs, []
     profile = _resolve_profile(options, graph, table, pair_inputs, device, mem_limit - reserve)
     del pair_inputs
     costs = profile.costs(graph)
@@ -243,7 +360,7 @@ def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple,
         activation_meta=activation_meta(graph, table), margin_bytes=reserve, module_paths=module_paths(graph, table),
     )
     log.info("planned with %s: peak %d bytes (limit %d), %s", name, plan.peak_bytes, mem_limit, plan.counts())
-    return _Planned(plan, graph, table, pairs)
+    return _Planned(plan, graph, table, pairs, step.changed_buffers, step.grads)
 
 
 @dataclass
@@ -252,19 +369,30 @@ class _Planned:
     graph: StepGraph
     table: NodeTable
     pairs: list[GraphPair]
-    bound: bool = False
+    changed_buffers: list[tuple[nn.Module, str]]
+    grads: tuple[bool, ...]
+    rewritten: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] | None = None
+
+    @property
+    def key(self) -> tuple:
+        return tuple(self.pairs), self.grads
 
     def bind(self) -> None:
+        """Make the pairs run this plan's rewritten graphs (rewritten once, on first use)."""
         from fxpooch.passes import rewrite_pair
 
         from ._torch_compat import set_boxed_codegen
 
-        for g, pair in enumerate(self.pairs):
-            rewritten = rewrite_pair(g, self.graph, self.table, self.plan.schedule)
-            dump_graphs(g, pair, rewritten)
-            set_boxed_codegen(rewritten.forward)
-            set_boxed_codegen(rewritten.backward)
-            pair.bind(rewritten.forward, rewritten.backward)
+        if self.rewritten is None:
+            self.rewritten = []
+            for g, pair in enumerate(self.pairs):
+                rewritten = rewrite_pair(g, self.graph, self.table, self.plan.schedule)
+                dump_graphs(g, pair, rewritten)
+                set_boxed_codegen(rewritten.forward)
+                set_boxed_codegen(rewritten.backward)
+                self.rewritten.append((rewritten.forward, rewritten.backward))
+        for pair, (forward, backward) in zip(self.pairs, self.rewritten):
+            pair.bind(forward, backward)
 
 
 def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, planner: str,
@@ -311,7 +439,7 @@ def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner:
 def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "pooch",
             profile: str | Profile | os.PathLike = "measure", hardware: str | Hardware | None = None,
             link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None,
-            host_pool_limit: int | str | None = None) -> CompiledModule:
+            host_pool_limit: int | str | None = None, max_plans: int = 8) -> CompiledModule:
     """Plan ``model``'s training step to fit ``mem_limit`` and return a module that runs that plan.
 
     ``mem_limit``: bytes (an int, ``"16GiB"``, ``"16GB"``, ``"16G"`` = 16 GiB), ``"60%"`` (of the
@@ -321,14 +449,13 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
     The model's forward runs once here to trace it, without holding its activations (its
     buffers and the RNG state are put back); a measured profile times each node in situ if the
     in-core step fits, else each node alone. The returned module's backward puts gradients on
-    ``model``'s parameters. ``profile_mode``, ``margin`` and ``host_pool_limit``: see
+    ``model``'s parameters. ``profile_mode``, ``margin``, ``host_pool_limit`` and ``max_plans``: see
     :class:`CompileOptions`.
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
-    options = CompileOptions(planner, profile, hardware, link, profile_mode, margin, host_pool_limit)
+    options = CompileOptions(planner, profile, hardware, link, profile_mode, margin, host_pool_limit, max_plans)
     compiled = CompiledModule(model, limit, options)
-    planned = compiled._plan_for(args, kwargs)
-    compiled._plans[(_modes(model), _signature(args, kwargs))] = planned
-    planned.bind()
-    compiled._current = planned
+    planned = compiled._replan(args, kwargs, "compile")
+    compiled._predicted[(_modes(model), _signature(args, kwargs), planned.grads, _autocast_state())] = planned.key
+    compiled._use(planned)
     return compiled

@@ -43,6 +43,8 @@ class GraphPair:
     #: called before each forward; may return a boxed callable that runs this forward instead
     on_run: Callable[[GraphPair, list[Any]], Callable[[list[Any]], Any] | None] | None = field(
         default=None, repr=False)
+    #: how many times the backward has run (a step's backward has run once its first pair's has)
+    backward_calls: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.bind(_boxed_copy(self.forward), _boxed_copy(self.backward))
@@ -56,6 +58,7 @@ class GraphPair:
         return (runner or self.run_forward)(args)
 
     def call_backward(self, args: list[Any]) -> Any:
+        self.backward_calls += 1
         return self.run_backward(args)
 
     @property
@@ -170,50 +173,77 @@ def save_all_primals(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: i
     bw.recompile()
 
 
+class UnplannedGraph(Exception):
+    """Raised inside a planned step when a graph pair that the bound plan does not hold is about
+    to run (dynamo compiled a new graph: a guard failed). Nothing of that pair has run yet; the
+    caller undoes the step so far and runs it again under a plan that holds the pair."""
+
+    def __init__(self, ran: list[GraphPair], cause: str):
+        super().__init__(cause)
+        self.ran, self.cause = ran, cause
+
+
 class Recorder:
-    """The dynamo backend: records each graph pair and remembers which ran in a step."""
+    """The dynamo backend: records each graph pair and checks that a step runs only planned pairs."""
 
     def __init__(self) -> None:
         self.pairs: list[GraphPair] = []
         self.ran: list[GraphPair] | None = None
         self.args: list[list[Any]] = []  # inputs of each pair in ``ran`` (kept for profiling)
+        self.expected: list[GraphPair] | None = None  # the bound plan's pairs, while a step runs
+        self.seen: list[GraphPair] = []  # pairs of the running step so far
+        self.causes: dict[GraphPair, str] = {}  # why dynamo compiled each pair (its recompile reasons)
+        self._known_reasons = set(compat.recompile_reasons())
         self.backend = compat.aot_backend(self._fw_compiler, self._bw_compiler, self._partition)
 
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         fw, bw = compat.default_partition(joint, joint_inputs, **kwargs)
         save_all_primals(fw, bw, kwargs["num_fwd_outputs"])
         pair = GraphPair(len(self.pairs), fw, bw, kwargs["num_fwd_outputs"], on_run=self._note_run)
-        fw.meta[_PAIR_KEY] = bw.meta[_PAIR_KEY] = pair
+        # the index, not the pair: AOTAutograd deep-copies the backward module (meta included)
+        # before compiling it lazily, and the pair must stay the one object that runs
+        fw.meta[_PAIR_KEY] = bw.meta[_PAIR_KEY] = pair.index
         self.pairs.append(pair)
-        log.debug("captured graph pair %d: %d forward nodes, %d backward nodes, %d saved",
-                  pair.index, len(fw.graph.nodes), len(bw.graph.nodes), len(pair.saved_nodes))
+        reasons = [r for r in compat.recompile_reasons() if r not in self._known_reasons]
+        self._known_reasons.update(reasons)
+        self.causes[pair] = "; ".join(r.splitlines()[0] for r in reasons) or "a frame dynamo had not compiled"
+        log.debug("captured graph pair %d: %d forward nodes, %d backward nodes, %d saved (%s)",
+                  pair.index, len(fw.graph.nodes), len(bw.graph.nodes), len(pair.saved_nodes), self.causes[pair])
         return fw, bw
 
     def _fw_compiler(self, gm: fx.GraphModule, example_inputs: Any):
-        pair = gm.meta.get(_PAIR_KEY)
-        if pair is None:
+        index = gm.meta.get(_PAIR_KEY)
+        if index is None:
             # grad disabled (no_grad / inference_mode): AOTAutograd compiled an inference graph
             # without a partition. Nothing is saved for a backward, so there is nothing to plan.
             return gm
-        return _boxed(pair, backward=False)
+        return _boxed(self.pairs[index], backward=False)
 
     def _bw_compiler(self, gm: fx.GraphModule, example_inputs: Any):
-        pair = gm.meta[_PAIR_KEY]
-        return _boxed(pair, backward=True)
+        return _boxed(self.pairs[gm.meta[_PAIR_KEY]], backward=True)
 
     def _note_run(self, pair: GraphPair, args: list[Any]) -> Callable[[list[Any]], Any] | None:
         if self.ran is None:
+            if self.expected is not None:
+                self._check_planned(pair)
             return None
         if pair in self.ran:
-            from .errors import UnsupportedModel
-
-            raise UnsupportedModel(
-                f"dynamo graph {pair.index} runs twice in one forward (a compiled region called in a "
-                "loop); fxpooch plans each graph once per step. Inline the loop (avoid graph breaks "
-                "inside it) or compile the repeated block instead of the whole model")
+            raise _repeated_graph_error(pair)
         self.ran.append(pair)
         self.args.append(list(args))
         return FrugalForward(pair)
+
+    def _check_planned(self, pair: GraphPair) -> None:
+        position = len(self.seen)
+        if position < len(self.expected) and self.expected[position] is pair:
+            self.seen.append(pair)
+            return
+        if pair in self.seen:
+            raise _repeated_graph_error(pair)
+        ran = [*self.seen, pair]
+        cause = (f"dynamo compiled graph {pair.index} ({self.causes.get(pair, 'no recompile reason recorded')})"
+                 if pair not in self.expected else f"graph {pair.index} runs where the plan has another graph")
+        raise UnplannedGraph(ran, cause)
 
     @contextlib.contextmanager
     def recording_step(self) -> Iterator[list[GraphPair]]:
@@ -221,59 +251,129 @@ class Recorder:
         self.ran, self.args = ran, _ = [], []
         try:
             yield ran
+        except BaseException:
+            self.args = []  # a failed capture must not keep its inputs alive
+            raise
         finally:
             self.ran = None
 
+    @contextlib.contextmanager
+    def running_plan(self, pairs: list[GraphPair]) -> Iterator[list[GraphPair]]:
+        """Inside the block, a pair not in ``pairs`` (at its position) raises :class:`UnplannedGraph`
+        before it runs; yields the pairs run so far."""
+        self.expected, self.seen = list(pairs), []
+        try:
+            yield self.seen
+        finally:
+            self.expected = None
+
+
+def _repeated_graph_error(pair: GraphPair) -> Exception:
+    from .errors import UnsupportedModel
+
+    return UnsupportedModel(
+        f"dynamo graph {pair.index} runs twice in one forward (a compiled region called in a "
+        "loop); fxpooch plans each graph once per step. Inline the loop (avoid graph breaks "
+        "inside it) or compile the repeated block instead of the whole model")
+
 
 @contextlib.contextmanager
-def preserved_state(model: nn.Module, inputs: Any = ()) -> Iterator[None]:
+def preserved_state(model: nn.Module, inputs: Any = ()) -> Iterator[list[tuple[nn.Module, str]]]:
     """Run the block, then put back the model's buffers, the tensors in ``inputs`` and every RNG state.
 
     Buffers go back by module and name as well as by value, so a forward that reassigns one
     (``self.ema = 0.9 * self.ema + ...``) leaves the original tensor in place. An input is
     copied back only if the block changed it (``x.add_(1)`` in forward), so the others keep
-    their version counters (autograd may have saved them).
+    their version counters (autograd may have saved them). Yields a list that names, on exit,
+    the buffers the block changed.
     """
-    buffers = [(mod, name, b, b.detach().clone())
+    buffers = [(mod, name, b, b._version, b.detach().clone())
                for mod in model.modules() for name, b in mod._buffers.items() if b is not None]
     leaves = {id(t): t for t in compat.tree_leaves(inputs) if isinstance(t, torch.Tensor)}
     saved_inputs = [(t, t._version, t.detach().clone()) for t in leaves.values()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    rng = _rng_state()
+    changed: list[tuple[nn.Module, str]] = []
     try:
-        yield
+        yield changed
     finally:
         with torch.no_grad():
-            for mod, name, live, saved in buffers:
+            for mod, name, live, version, saved in buffers:
+                if mod._buffers.get(name) is not live or live._version != version:
+                    changed.append((mod, name))
                 setattr(mod, name, live)
                 live.copy_(saved)
             for live, version, saved in saved_inputs:
                 if live._version != version:
                     live.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        _set_rng_state(rng)
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+class StepSnapshot:
+    """What a step's forward may change before an unplanned graph stops it: the RNG states, the
+    buffers that the step is known to change (copied) and the inputs' versions (checked)."""
+
+    def __init__(self, buffers: list[tuple[nn.Module, str]], inputs: Any):
+        self.rng = _rng_state()
+        self.buffers = [(mod, name, mod._buffers[name], mod._buffers[name].detach().clone()) for mod, name in buffers]
+        self.inputs = [(t, t._version) for t in compat.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+
+    def restore(self) -> None:
+        from .errors import UnsupportedModel
+
+        if any(t._version != v for t, v in self.inputs):
+            raise UnsupportedModel(
+                "dynamo compiled a new graph in the middle of a step whose forward had already changed one of its "
+                "inputs in place, so the step cannot be run again under a new plan; do not modify the inputs "
+                "inside forward (clone them first)")
+        _set_rng_state(self.rng)
+        with torch.no_grad():
+            for mod, name, live, saved in self.buffers:
+                setattr(mod, name, live)
+                live.copy_(saved)
 
 
 def capture_step(compiled: Callable[..., Any], recorder: Recorder, model: nn.Module,
-                 args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[GraphPair], list[list[Any]]]:
+                 args: tuple[Any, ...], kwargs: dict[str, Any],
+                 changed_buffers: list[tuple[nn.Module, str]] | None = None) -> tuple[list[GraphPair], list[list[Any]]]:
     """Trace one forward of ``compiled`` (side-effect free): its graph pairs in order, and their inputs.
 
     The forwards run through :class:`FrugalForward` (saved activations are not held), so a step
-    that does not fit in memory can still be captured; nothing is bound to the pairs.
+    that does not fit in memory can still be captured; nothing is bound to the pairs. The
+    buffers the forward changes (and puts back) are appended to ``changed_buffers`` if given.
     """
-    with preserved_state(model, (args, kwargs)), recorder.recording_step() as ran:
+    with preserved_state(model, (args, kwargs)) as changed, recorder.recording_step() as ran:
         with torch.enable_grad():
-            compiled(*args, **kwargs)
+            out = compiled(*args, **kwargs)
+    if changed_buffers is not None:
+        changed_buffers.extend(changed)
     if not ran:
-        raise _no_graph_error()
+        raise _no_graph_error(out)
     inputs, recorder.args = recorder.args, []
     return list(ran), inputs
 
 
-def _no_graph_error() -> Exception:
+def _no_graph_error(out: Any) -> Exception:
     from .errors import UnsupportedModel
 
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in compat.tree_leaves(out)):
+        breaks = compat.graph_break_reasons()
+        why = f" Dynamo reported: {'; '.join(breaks[-3:])}." if breaks else ""
+        return UnsupportedModel(
+            "dynamo compiled no graph of this forward although its output needs gradients: it ran the model "
+            "eagerly, so there is nothing to plan. This happens with a wrapper dynamo does not trace (DDP, "
+            "FSDP's fully_shard) and with a graph break that makes dynamo skip the frame (e.g. inside a loop "
+            f"over a custom autograd.Function).{why} Compile the inner module (before wrapping it), or remove "
+            "the graph break (torch._dynamo.explain(model)(x) lists them)")
     return UnsupportedModel(
         "dynamo captured no graph that needs gradients: check that the model has parameters with "
         "requires_grad=True (or inputs that require grad) and that its forward uses them"

@@ -12,6 +12,10 @@ class InvalidMemoryLimit(FxpoochError, ValueError):
     """``mem_limit`` is not a positive byte count or a string such as ``"16GiB"``."""
 
 
+class InvalidOption(FxpoochError, ValueError):
+    """An option of ``compile`` / ``plan`` that is neither a memory size nor a name (e.g. ``max_plans``)."""
+
+
 class InfeasibleMemoryLimit(FxpoochError, ValueError):
     """No plan keeps the step's peak under ``mem_limit``.
 
@@ -73,3 +77,29 @@ class HostPoolExhausted(FxpoochError, MemoryError):
             f"copies not yet brought back, and its limit is {format_bytes(limit)} ({limit} bytes). Raise "
             "host_pool_limit (at least the plan's host bytes, plan.host_bytes, for each forward whose backward has "
             "not run yet), or run backward before the next forward.")
+
+
+class ReplanLimitExceeded(FxpoochError, RuntimeError):
+    """A compiled module needed more plans than ``max_plans``: something the compiled graphs depend
+    on keeps changing from step to step. ``cause`` says what (dynamo's recompile reason)."""
+
+    def __init__(self, plans: int, cause: str):
+        self.plans, self.cause = plans, cause
+        super().__init__(
+            f"this compiled module already holds {plans} plans and needs another: {cause}. Each set of graphs "
+            "dynamo compiles for a step needs its own plan, and a value dynamo specialises on (a Python number, "
+            "the result of .item(), an input's strides, autocast, a module switched between train and eval) "
+            "makes a new set whenever it changes. Keep that value fixed, pass it as a tensor, or raise "
+            "fxpooch.compile's max_plans if the number of variants is bounded.")
+
+
+class PendingBackward(FxpoochError, RuntimeError):
+    """A compiled module ran forward again while the previous forward's backward had not run."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "forward called again before the previous forward's backward: the plan covers one forward "
+            "followed by its backward, and both forwards' activations would be live at once (beyond "
+            "mem_limit). Call backward on each forward's loss before the next forward (gradients accumulate "
+            "into .grad the same way), or concatenate the inputs into one batch; for an evaluation that "
+            "needs no gradient run it under torch.no_grad(), or drop the previous outputs first.")

@@ -183,17 +183,27 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
     fw_range: list[tuple[int, int]] = []
     bw_range: list[tuple[int, int]] = [(0, 0)] * len(pairs)
     keys: list[dict[int, int]] = []  # per pair: storage key -> buffer id
+    allocated_on: dict[int, list[int]] = {}  # storage key -> every buffer allocated on it
 
     def add_op(node: fx.Node, g: int, phase: Phase, key_to_buf: dict[int, int], kind: BufferKind) -> None:
         allocs, spans = [], []
         for v in _vals(node):
             k = compat.storage_key(v)
+            if phase is Phase.BACKWARD and node.op == "call_function" and k in key_to_buf:
+                # A backward node traced on the same fake storage as a forward one aliases it only if
+                # it reads it; a recomputation (torch.utils.checkpoint) allocates its own.
+                read = {b for a in node.all_input_nodes for b in buffer_of[op_of[a]]}
+                if key_to_buf[k] not in read:
+                    key_to_buf[k] = next((b for b in allocated_on.get(k, ()) if b in read), None)
+                    if key_to_buf[k] is None:
+                        del key_to_buf[k]
             if k not in key_to_buf:
                 key_to_buf[k] = len(buffers)
                 nbytes = 0 if kind is BufferKind.RESIDENT else memory.storage_bytes(v)
                 buffers.append(Buffer(node.name, nbytes, kind))
                 allocs.append(key_to_buf[k])
                 producer[key_to_buf[k]] = len(ops)
+                allocated_on.setdefault(k, []).append(key_to_buf[k])
             spans.append(key_to_buf[k])
         args = tuple(dict.fromkeys(op_of[a] for a in node.all_input_nodes))
         recompute_args = tuple(dict.fromkeys(op_of[a] for a in recompute_inputs(node)))

@@ -111,6 +111,15 @@ class _NodeTimer(fx.Interpreter):
         self.clock = clock
         self.times: dict[str, float] = {}
 
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            # the output node's entry and the (unexhausted) iterator over the arguments would keep the
+            # outputs and inputs alive as long as the interpreter, into the next repeat
+            self.env.clear()
+            self.args_iter = iter(())
+
     def run_node(self, n: fx.Node) -> Any:
         if n.op != "call_function":
             return super().run_node(n)
@@ -243,13 +252,18 @@ def _in_situ(table: NodeTable, example_args: Sequence[list[Any]], device: torch.
             fw = _NodeTimer(pair.forward, clock)
             with torch.no_grad():
                 outs = fw.run(*args)
-            saved = list(outs[pair.num_user_outputs:])
-            tangents = [_real_like(n.meta.get("val"), device)
-                        for n in pair.backward.graph.find_nodes(op="placeholder")[len(saved):]]
+            user, saved = list(outs[:pair.num_user_outputs]), list(outs[pair.num_user_outputs:])
+            del outs
+            placeholders = pair.backward.graph.find_nodes(op="placeholder")
+            tangents = [_real_like(n.meta.get("val"), device) for n in placeholders[len(saved):]]
+            # handed over in the environment only, so each saved value dies after its last backward
+            # reader, as when the step runs
+            env = dict(zip(placeholders, [*saved, *tangents]))
+            del saved, tangents
             bw = _NodeTimer(pair.backward, clock)
             with torch.no_grad():
-                bw.run(*saved, *tangents)
-            del outs, saved, tangents
+                bw.run(initial_env=env)
+            del user, env
             if r == 0:
                 continue
             for phase, timer in (("forward", fw), ("backward", bw)):
@@ -261,43 +275,76 @@ def _in_situ(table: NodeTable, example_args: Sequence[list[Any]], device: torch.
 def _per_node(table: NodeTable, clock: Callable[[], Callable[[], float]], repeats: int) -> dict[str, list[float]]:
     """Each call_function node alone on fresh inputs, freed before the next node."""
     samples: dict[str, list[float]] = {}
-    graphs = [(g, phase, gm) for g, pair in enumerate(table.pairs)
-              for phase, gm in (("forward", pair.forward), ("backward", pair.backward))]
-    total = sum(1 for _, _, gm in graphs for n in gm.graph.nodes if n.op == "call_function")
+    total = sum(1 for pair in table.pairs for gm in (pair.forward, pair.backward)
+                for n in gm.graph.nodes if n.op == "call_function")
     with stage("profiling node by node", total, "node") as progress:
-        for g, phase, gm in graphs:
-            for node in gm.graph.nodes:
-                if node.op != "call_function":
-                    continue
-                key = f"{g}/{phase}/{node.name}"
-                # getitem picks an element of a multi-output node's result: no kernel
-                samples[key] = [0.0] if node.target is operator.getitem else _bench_node(node, clock, repeats)
-                progress.update()
+        for g, pair in enumerate(table.pairs):
+            # a backward placeholder that receives a saved value stands for the forward node that made it
+            saved = dict(zip(pair.backward.graph.find_nodes(op="placeholder"), pair.saved_nodes))
+            for phase, gm in (("forward", pair.forward), ("backward", pair.backward)):
+                for node in gm.graph.nodes:
+                    if node.op != "call_function":
+                        continue
+                    key = f"{g}/{phase}/{node.name}"
+                    # getitem picks an element of a multi-output node's result: no kernel
+                    samples[key] = [0.0] if node.target is operator.getitem else _bench_node(node, clock, repeats, saved)
+                    progress.update()
     return samples
 
 
-def _bench_node(node: fx.Node, clock: Callable[[], Callable[[], float]], repeats: int) -> list[float]:
+#: how many producers deep an input is made by running them when a fresh input is refused
+PRODUCER_DEPTH = 2
+
+
+def _bench_node(node: fx.Node, clock: Callable[[], Callable[[], float]], repeats: int,
+                saved: dict[fx.Node, fx.Node] | None = None) -> list[float]:
+    """Time ``node`` on fresh inputs of its traced shapes. Where the real kernel refuses them (a traced
+    dtype that differs from what the real producer makes, e.g. LayerNorm's statistics under bf16
+    autocast are fp32 on CPU), its inputs are made by running their producers on fresh inputs."""
+    try:
+        return _timed(node, _inputs(node, 0, saved or {}), clock, repeats)
+    except Exception as first:
+        try:
+            return _timed(node, _inputs(node, PRODUCER_DEPTH, saved or {}), clock, repeats)
+        except Exception:
+            raise RuntimeError(f"profiling failed at node {node.format_node()} (run alone on fresh inputs): "
+                               f"{first}; profile with mode='in-situ' if the step fits, or profile='analytic'") from first
+
+
+def _inputs(node: fx.Node, depth: int, saved: dict[fx.Node, fx.Node]) -> tuple[tuple, dict]:
     made: dict[fx.Node, Any] = {}
 
-    def fresh(arg: fx.Node) -> Any:
-        if arg not in made:
-            made[arg] = fresh_value(arg)
-        return made[arg]
+    def value(arg: fx.Node, depth: int) -> Any:
+        source = saved.get(arg, arg)
+        if source not in made:
+            if source.target is operator.getitem and depth > 0:  # an element of its producer's real result
+                made[source] = value(source.args[0], depth)[source.args[1]]
+            elif depth > 0 and source.op == "call_function":
+                args, kwargs = fx.node.map_arg((source.args, source.kwargs), lambda a: value(a, depth - 1))
+                with torch.no_grad():
+                    made[source] = source.target(*args, **kwargs)
+            else:
+                made[source] = fresh_value(source)
+        return made[source]
 
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), fresh)
-    times = []
     try:
-        with torch.no_grad():
-            for r in range(repeats + 1):  # the first run warms up
-                stop = clock()
-                out = node.target(*args, **kwargs)
-                elapsed = stop()
-                del out
-                if r:
-                    times.append(elapsed)
-    except Exception as e:
-        raise RuntimeError(f"profiling failed at node {node.format_node()} (run alone on fresh inputs): {e}; "
-                           "profile with mode='in-situ' if the step fits, or profile='analytic'") from e
+        return fx.node.map_arg((node.args, node.kwargs), lambda a: value(a, depth))
+    finally:
+        del value  # it refers to itself: without this, every value made stays alive until a gc pass
+
+
+def _timed(node: fx.Node, inputs: tuple[tuple, dict], clock: Callable[[], Callable[[], float]],
+           repeats: int) -> list[float]:
+    args, kwargs = inputs
+    times = []
+    with torch.no_grad():
+        for r in range(repeats + 1):  # the first run warms up
+            stop = clock()
+            out = node.target(*args, **kwargs)
+            elapsed = stop()
+            del out
+            if r:
+                times.append(elapsed)
     return times
 
 

@@ -75,3 +75,45 @@ def find_limits(compile_at: Callable[[object], object]) -> Limits:
     else:
         raise AssertionError("a 1-byte limit was accepted")
     return Limits(floor, compile_at("1TiB").plan.in_core_peak_bytes)
+
+
+class StepCounter(LiveStorageCounter):
+    """A :class:`LiveStorageCounter` to enter around whole training steps.
+
+    ``ignore_compile_internals`` tells dynamo that this mode does not change what it compiles, so
+    the compiled (planned) graphs run under it instead of an eager fallback. Storages that exist
+    when it is seeded (parameters, buffers, gradients, inputs) are known and never counted, so an
+    op that returns one of them (a view or an alias made outside a graph) does not count it again.
+    """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def seed(self, *objs) -> None:
+        import functools
+        import weakref
+
+        from memcount import _Entry, _on_storage_freed, storage_key
+
+        def visit(obj) -> None:
+            if isinstance(obj, torch.nn.Module):
+                for t in [*obj.parameters(), *obj.buffers()]:
+                    visit(t)
+            elif isinstance(obj, torch.Tensor):
+                key = storage_key(obj)
+                if key is not None and key not in self._live:
+                    ref = weakref.ref(obj.untyped_storage(), functools.partial(_on_storage_freed, self._self_ref, key))
+                    self._live[key] = _Entry(ref=ref, nbytes=0, counted=False, op="resident")
+                if obj.is_leaf and obj.grad is not None:
+                    visit(obj.grad)
+            elif isinstance(obj, dict):
+                for v in obj.values():
+                    visit(v)
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    visit(v)
+
+        with self._lock:
+            for o in objs:
+                visit(o)
