@@ -88,6 +88,13 @@ def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
     return placed
 
 
+def simulation_budget(graph: StepGraph, work: int, at_most: int) -> int:
+    """Simulations that ``work`` op-simulations buy on ``graph`` (one simulation of a step of n ops
+    costs n), at least one and at most ``at_most``: a budget that does not depend on the machine,
+    with a planning time linear in the graph's size."""
+    return max(1, min(at_most, work // max(1, len(graph.ops))))
+
+
 class Evaluator:
     """Decisions -> simulated candidate, memoised; every planner judges plans through this.
 
