@@ -1,8 +1,9 @@
 """Beyond PoocH's heuristic: local search over the simulator, and an exact optimum for small graphs.
 
 ``local`` starts from the best of PoocH's plan and the reference plans (swap-all, sqrt(n)
-checkpointing, recompute everything) and applies single-activation changes (keep / swap /
-recompute) that make the simulated step faster while the peak stays under the limit, until no
+checkpointing, recompute everything), applies changes to groups of activations that repeat
+across blocks (a layer's attention scores in every layer, say), then single-activation changes
+(keep / swap / recompute) that make the simulated step faster while the peak stays under the limit, until no
 change helps or its budget (op-simulations, so the plan does not depend on the machine) is
 spent; on graphs small enough it then runs the exact search's branch and bound from that plan
 with the budget left. It is never slower than ``pooch`` nor than any reference plan that fits. ``exact`` finds
@@ -33,7 +34,7 @@ class SearchOptions:
     #: of a step of n ops counts n; see ``PoochOptions.step_work``): deterministic, and a planning
     #: time linear in the graph's size. On this project's 2-core machine a 2,000-op step plans in
     #: about 5 s.
-    work: int = 700_000
+    work: int = 500_000
     #: most simulations the search runs however small the graph
     max_simulations: int = 50_000
     #: largest number of activations the exact search accepts: its worst case is 3**n
@@ -70,6 +71,51 @@ def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     return best
 
 
+def repeated_groups(ev: Evaluator) -> list[list[int]]:
+    """Activations that play the same part in repeated blocks (transformer layers, residual
+    stages): same producing op target, bytes and member count; groups of two or more, largest
+    total bytes first, each in program order, with its halves (input side, output side)."""
+    graph = ev.graph
+    by_kind: dict[tuple, list[int]] = {}
+    for a, act in enumerate(graph.activations):
+        key = (graph.ops[act.producer].target, graph.buffers[act.buffer].nbytes, len(act.members))
+        by_kind.setdefault(key, []).append(a)
+    groups = sorted((g for g in by_kind.values() if len(g) > 1),
+                    key=lambda g: (-len(g) * graph.buffers[graph.activations[g[0]].buffer].nbytes, g[0]))
+    out = []
+    for g in groups:
+        half = len(g) // 2
+        out.extend([g, g[:half], g[half:]] if half > 1 else [g])
+    return out
+
+
+def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
+    """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group (or
+    half of one) to keep, swap or recompute: a few simulations cover every layer of a deep model."""
+    stop_at = ev.simulations + simulations
+    best = seed
+    groups = repeated_groups(ev)
+    acts = ev.graph.activations
+    improved = True
+    while improved and ev.simulations < stop_at:
+        improved = False
+        for group in groups:
+            for d in Decision:
+                if ev.simulations >= stop_at:
+                    break
+                members = [a for a in group if d is not Decision.SWAP or acts[a].swappable]
+                if all(best.decisions[a] is d for a in members):
+                    continue
+                trial = list(best.decisions)
+                for a in members:
+                    trial[a] = d
+                c = ev.evaluate(trial)
+                if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
+                    best, improved = c, True
+    log.info("group search: %.4g s -> %.4g s (%d groups)", seed.step_time, best.step_time, len(groups))
+    return best
+
+
 def seeds(ev: Evaluator, name: str) -> Candidate:
     """The fastest fitting plan of PoocH and the reference plans (swap-all, sqrt(n) checkpointing,
     recompute everything): the search starts no worse than any of them."""
@@ -92,6 +138,7 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     ev = Evaluator(problem)
     stop_at = simulation_budget(problem.graph, options.work, options.max_simulations)
     best = seeds(ev, "local")
+    best = group_search(ev, best, max(0, (stop_at - ev.simulations) // 2))
     best = local_search(ev, best, max(0, stop_at - ev.simulations))
     if len(problem.graph.activations) <= options.max_exact and ev.simulations < stop_at:
         search = _branch_and_bound(ev, best, stop_at)
