@@ -9,6 +9,11 @@ and the planning times (CPU seconds of this process, so other load does not infl
 ResNeXt-101 3D (2,672 ops) is the full run's large-graph case. ``--models a,b`` runs a subset.
 All figures are simulated on the analytic cost model of the named hardware; tracing runs on
 meta tensors (no memory used). Writes benchmarks/results/planners.json.
+
+``--part sweep`` (also part of the default ``all``) runs ``planners_sweep.py``: the default
+planner over GPT-2 depths, ResNet-50 and the test zoo at limits from the floor to in-core on
+three presets, its gap to the best plan and the bound, and planning time vs graph size
+(results/planners_sweep.json, results/planners_time.svg).
 """
 from __future__ import annotations
 
