@@ -9,6 +9,11 @@ and the planning times (CPU seconds of this process, so other load does not infl
 ResNeXt-101 3D (2,672 ops) is the full run's large-graph case. ``--models a,b`` runs a subset.
 All figures are simulated on the analytic cost model of the named hardware; tracing runs on
 meta tensors (no memory used). Writes benchmarks/results/planners.json.
+
+``--part sweep`` (also part of the default ``all``) runs ``planners_sweep.py``: the default
+planner over GPT-2 depths, ResNet-50 and the test zoo at limits from the floor to in-core on
+three presets, its gap to the best plan and the bound, and planning time vs graph size
+(results/planners_sweep.json, results/planners_time.svg).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fxpooch import models as zoo  # noqa: E402
+import planners_sweep  # noqa: E402
 
 import fxpooch  # noqa: E402
 from fxpooch.errors import InfeasibleMemoryLimit  # noqa: E402
@@ -103,10 +109,18 @@ def run(models, presets, planners) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small models and two presets (about a minute)")
+    ap.add_argument("--quick", action="store_true", help="small models and fewer presets (a few minutes)")
     ap.add_argument("--models", help="comma list of the models to run (default: all of the chosen set)")
+    ap.add_argument("--part", choices=("all", "gap", "sweep"), default="all",
+                    help="gap: planners vs the optimum / bound; sweep: the default planner over models, "
+                         "limits and presets, with planning time vs graph size")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "planners.json"))
     args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.part in ("all", "sweep"):
+        planners_sweep.main(args.quick, os.path.join(os.path.dirname(args.out), "planners_sweep.json"))
+    if args.part == "sweep":
+        return 0
     planners = [p for p in ("pooch", "superneurons", "local") if p in PLANNERS]
     models = QUICK if args.quick else FULL
     if args.models:

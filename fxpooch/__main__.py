@@ -338,7 +338,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "plan":
             p.add_argument("--out", default=DEFAULT_OUT,
                            help=f"folder for the trace and the SVG (default {DEFAULT_OUT})")
-            p.add_argument("--planner", default="pooch", help=f"one of {', '.join(PLANNERS)} (default pooch)")
+            p.add_argument("--planner", default="local", help=f"one of {', '.join(PLANNERS)} (default local)")
             p.add_argument("--save-profile", metavar="FILE", help="save the profile (JSON) to replan deterministically")
             p.add_argument("--explain", action="append", metavar="NAME",
                            help="explain the decision of one activation (its name in the table) or of the activations "

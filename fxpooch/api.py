@@ -50,7 +50,7 @@ class CompileOptions:
     ``host_pool_limit``, ``max_plans`` or profile path is reported here, before anything runs.
     """
 
-    planner: str = "pooch"
+    planner: str = "local"
     profile: str | Profile | os.PathLike = "measure"
     hardware: str | Hardware | None = None  # analytic costs and the default link
     link: Link | None = None  # overrides the hardware's link
@@ -420,7 +420,7 @@ def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, plan
     return limit, args, kwargs
 
 
-def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "pooch",
+def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "local",
          profile: str | Profile | os.PathLike = "analytic", hardware: str | Hardware | None = None,
          link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None) -> Plan:
     """Plan without running anything: works on a model and inputs on the ``meta`` device.
@@ -436,7 +436,7 @@ def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner:
                       CompileOptions(planner, profile, hardware, link, profile_mode, margin)).plan
 
 
-def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "pooch",
+def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "local",
             profile: str | Profile | os.PathLike = "measure", hardware: str | Hardware | None = None,
             link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None,
             host_pool_limit: int | str | None = None, max_plans: int = 8) -> CompiledModule:

@@ -107,6 +107,9 @@ class Link:
     bandwidth: float
     latency: float
     calibration: LinkCalibration | None = None
+    #: the copies run on the compute thread, one after another with the ops (a CPU host's
+    #: memcpy), instead of on side streams that overlap compute (a GPU's DMA engines)
+    on_compute_stream: bool = False
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
@@ -137,6 +140,8 @@ class Link:
         out: dict[str, Any] = {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency}
         if self.calibration is not None:
             out["calibration"] = dataclasses.asdict(self.calibration)
+        if self.on_compute_stream:
+            out["on_compute_stream"] = True
         return out
 
     @classmethod
@@ -144,7 +149,7 @@ class Link:
         """Inverse of :meth:`to_json` (also reads links saved before calibrations were recorded)."""
         cal = data.get("calibration")
         return cls(data["name"], float(data["bandwidth"]), float(data["latency"]),
-                   None if cal is None else LinkCalibration(**cal))
+                   None if cal is None else LinkCalibration(**cal), bool(data.get("on_compute_stream", False)))
 
 
 LINKS: Mapping[str, Link] = MappingProxyType({
@@ -167,7 +172,8 @@ LINKS: Mapping[str, Link] = MappingProxyType({
     "c2c": Link("c2c", bandwidth=450 * _GB, latency=_DMA_LATENCY_S),
     # "Swapping" on a CPU-only host is a memcpy within DRAM: ~20 GB/s is a typical single-thread
     # memcpy rate on current x86 servers (STREAM-copy class figure); no DMA setup, so no latency.
-    "host": Link("host", bandwidth=20 * _GB, latency=0.0),
+    # The copy runs on the thread that runs the ops, so it does not overlap them.
+    "host": Link("host", bandwidth=20 * _GB, latency=0.0, on_compute_stream=True),
 })
 
 

@@ -68,7 +68,8 @@ class Profile:
         d2h, h2d = self.link.directed("d2h"), self.link.directed("h2d")
         return Costs(op_time,
                      tuple(sum(d2h.transfer_time(b) for b in act.member_bytes if b) for act in graph.activations),
-                     tuple(sum(h2d.transfer_time(b) for b in act.member_bytes if b) for act in graph.activations))
+                     tuple(sum(h2d.transfer_time(b) for b in act.member_bytes if b) for act in graph.activations),
+                     self.link.on_compute_stream)
 
     def with_link(self, link: Link) -> Profile:
         return Profile(self.source, link, self.op_times, self.fingerprint)
@@ -202,7 +203,8 @@ def choose_mode(graph: StepGraph, mem_limit: int, device: torch.device) -> str:
 
 def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[list[Any]], link: Link,
                     options: ProfileOptions = ProfileOptions(), mem_limit: int | None = None) -> Profile:
-    """Time every node of every captured graph pair (median of ``options.repeats``).
+    """Time every node of every captured graph pair (the least of ``options.repeats``: other
+    load on the machine only ever adds time, so the minimum is the least disturbed figure).
 
     ``example_args`` (the captured inputs of each pair) are read in situ only; "auto" needs
     ``mem_limit``.
@@ -226,7 +228,7 @@ def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[l
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
-    times = {k: statistics.median(v) for k, v in samples.items()}
+    times = {k: min(v) for k, v in samples.items()}
     source = ("cuda-events" if on_cuda else "cpu-timer") + (" per-node" if mode == "per-node" else "")
     log.info("profiled %d ops with %s", len(times), source)
     return Profile(source, link, times, fingerprint(graph))

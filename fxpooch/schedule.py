@@ -27,7 +27,7 @@ class Kind(str, enum.Enum):
     OFFLOAD = "offload"  # device -> host copy of an activation (D2H stream)
     PREFETCH = "prefetch"  # host -> device copy (H2D stream); allocates on the device
     WAIT = "wait"  # compute stream waits for a prefetch
-    RECOMPUTE = "recompute"  # a forward op run again in the backward, for one activation
+    RECOMPUTE = "recompute"  # a forward op run again in the backward, for a recompute segment
 
 
 class Instr(NamedTuple):
@@ -48,8 +48,13 @@ class Schedule:
     persistent: tuple[bool, ...]  # instance lives until the step ends
     last_reader: tuple[int, ...]  # per instance: instruction index (its own alloc if never read)
     first_alloc: tuple[int, ...]  # per instance: the instruction that allocates it (-1: none)
-    chains: dict[int, tuple[int, ...]]  # recomputed activation -> forward ops run again
+    chains: dict[int, tuple[int, ...]]  # activation whose recompute is emitted -> forward ops run again
     first_use: dict[int, int]  # swapped/recomputed activation -> first backward op needing it
+    #: activation whose recompute is emitted -> the recomputed activations it makes available
+    #: (itself first; with ``share``, also those its chain rebuilds whole, as checkpointing does)
+    materialises: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    #: did sharing change anything (a chain stopped at, or rebuilt, another recomputed activation)
+    shared: bool = False
 
 
 class NotRecomputable(Exception):
@@ -105,8 +110,15 @@ def can_recompute(graph: StepGraph, a: int, decisions: Sequence[Decision], owner
 
 
 def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
-                   prefetch_before: Sequence[int] | None = None) -> Schedule:
+                   prefetch_before: Sequence[int] | None = None, share: bool = True) -> Schedule:
     """Lay out the step for ``decisions``; prefetches default to just before their first use.
+
+    Recomputes run just before their activation's first backward reader, in that order. With
+    ``share`` (checkpointing's rule), a recompute chain stops at recomputed activations already
+    rebuilt (their copies stay alive until their last reader, this chain included), and every
+    recomputed activation it rebuilds whole is kept from then on instead of being recomputed again
+    at its own first reader: a segment between available values runs once. Without ``share``,
+    each recomputed activation reruns its whole chain alone (fewer bytes live, more compute).
 
     Instance ids: buffer ``b``'s original copy is instance ``b``; swapped-in and recomputed
     copies are numbered after the buffers.
@@ -115,8 +127,6 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
     acts = graph.activations
     ops = graph.ops
     owner = member_owner(graph)
-    chains = {a: recompute_chain(graph, a, decisions, owner)
-              for a, d in enumerate(decisions) if d is Decision.RECOMPUTE}
 
     # first backward op that needs each swapped / recomputed activation
     first_use: dict[int, int] = {}
@@ -125,6 +135,42 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
             readers = graph.backward_readers(act)
             if readers:
                 first_use[a] = readers[0]
+    chains: dict[int, tuple[int, ...]] = {}
+    materialises: dict[int, tuple[int, ...]] = {}
+    shared = False
+    rebuilt: set[int] = set()
+    recomputed = sorted((a for a, d in enumerate(decisions) if d is Decision.RECOMPUTE),
+                        key=lambda a: (first_use.get(a, -1), a))
+    for b in recomputed:
+        if b in rebuilt:
+            continue
+        if not share or b not in first_use:
+            chains[b] = recompute_chain(graph, b, decisions, owner)
+            materialises[b] = (b,)
+            continue
+
+        def pending(c: int) -> bool:
+            nonlocal shared
+            if c in rebuilt:
+                shared = True
+                return False
+            return decisions[c] is Decision.RECOMPUTE
+
+        chain = chain_ops(graph, b, pending, owner)
+        whole: set[int] = set()
+        grown = True
+        while grown:  # a pending activation whose storage the chain allocates is rebuilt whole
+            grown = False
+            for c in {owner[x] for x in chain if x in owner} - whole - {b}:
+                if (c in first_use and c not in rebuilt and decisions[c] is Decision.RECOMPUTE
+                        and acts[c].producer in chain):
+                    whole.add(c)
+                    chain |= chain_ops(graph, c, pending, owner)
+                    grown = True
+        shared = shared or bool(whole)
+        chains[b] = tuple(sorted(chain))
+        materialises[b] = (b, *sorted(whole))
+        rebuilt.update(materialises[b])
     for b, chain in chains.items():
         if b not in first_use:
             continue
@@ -187,7 +233,8 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
 
     def recompute_instrs(b: int) -> None:
         """The chain's own buffers are fresh copies tagged with ``b``; other reads see ``view``."""
-        own = {buf: view[buf] if buf == acts[b].buffer else copy_of(buf, buffers[buf].nbytes)
+        kept = {acts[c].buffer for c in materialises[b]}
+        own = {buf: view[buf] if buf in kept else copy_of(buf, buffers[buf].nbytes)
                for o in chains[b] for buf in allocs[o]}
         last.extend([-1] * (len(inst_bytes) - len(last)))
         first.extend([-1] * (len(inst_bytes) - len(first)))
@@ -225,6 +272,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         decisions=decisions, prefetch_before=tuple(prefetch), instrs=tuple(instrs),
         instance_bytes=tuple(inst_bytes), instance_buffer=tuple(inst_buf), persistent=tuple(persistent),
         last_reader=tuple(last), first_alloc=tuple(first), chains=chains, first_use=first_use,
+        materialises=materialises, shared=shared,
     )
 
 

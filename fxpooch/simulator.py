@@ -2,7 +2,9 @@
 
 Compute runs the RUN / RECOMPUTE / WAIT instructions in order. OFFLOAD copies queue on the
 D2H stream once their producer has run; PREFETCH copies queue on the H2D stream once the
-host copy exists, and allocate their device buffer when issued. A buffer is freed when its
+host copy exists, and allocate their device buffer when issued. With
+``Costs.serial_copies`` (a CPU host) the compute thread makes each copy itself, in program
+order, so copies add to the step instead of overlapping it. A buffer is freed when its
 last reader finishes; for an offloaded activation that includes its D2H copy (the runtime's
 ``record_stream``), so a slow link holds memory longer.
 """
@@ -24,6 +26,8 @@ class Costs:
     op_time: tuple[float, ...]
     d2h_time: tuple[float, ...]
     h2d_time: tuple[float, ...]
+    #: copies run on the compute stream, in program order (a CPU host: ``Link.on_compute_stream``)
+    serial_copies: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,7 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
     while forward_last >= 0 and instrs[forward_last].kind is not Kind.RUN:
         forward_last -= 1
     RUN, RECOMPUTE, OFFLOAD, PREFETCH = Kind.RUN, Kind.RECOMPUTE, Kind.OFFLOAD, Kind.PREFETCH
-    op_time, d2h_time, h2d_time = costs.op_time, costs.d2h_time, costs.h2d_time
+    op_time, d2h_time, h2d_time, serial = costs.op_time, costs.d2h_time, costs.h2d_time, costs.serial_copies
     pending: list[tuple[float, int]] = []  # heap of (free time, bytes) of frees still ahead
     live = graph.resident_bytes
     start, end = [], []
@@ -99,10 +103,14 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
             s = d2h if d2h > t else t
             d2h = e = s + d2h_time[act]
             d2h_end[act] = copied_until[reads[0]] = e
+            if serial:
+                t = e
         elif kind is PREFETCH:
             s = max(h2d, t, d2h_end.get(act, 0.0))
             h2d = e = s + h2d_time[act]
             h2d_end[act] = e
+            if serial:
+                t = e
         else:  # WAIT
             s = t
             ready = h2d_end.get(act, t)

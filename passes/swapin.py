@@ -1,9 +1,10 @@
 """Backward pass: prefetch / wait for swapped activations, recompute subgraphs before first use.
 
 The backward graph is re-emitted in the schedule's order: a ``fxpooch.prefetch`` at its
-planned position, a ``fxpooch.wait`` just before the first reader, and each recomputed
-activation's forward ops (copied, renamed ``re_*``) just before their first reader, so they
-die after their last one instead of living through the whole backward.
+planned position, a ``fxpooch.wait`` just before the first reader, and each recompute segment's
+forward ops (copied, renamed ``re_*``) just before the first reader of the activation it is
+emitted for; the recomputed activations it rebuilds (``Schedule.materialises``) die after their
+last readers instead of living through the whole backward.
 """
 from __future__ import annotations
 
@@ -83,9 +84,11 @@ def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTa
             r.meta = dict(node.meta)
             r.meta[META_KEY] = {"activation": act.name, "decision": "recompute", "recomputes": node.name}
             local[ins.op] = r
-            if ins.op in act.members and all(m in local for m in act.members):
-                for m in act.members:
-                    env[m] = local[m]
+            for c in schedule.materialises[ins.act]:  # the activations this segment rebuilds
+                members = graph.activations[c].members
+                if ins.op in members and all(m in local for m in members):
+                    for m in members:
+                        env[m] = local[m]
         else:
             node = table.nodes[ins.op]
             if node.op == "placeholder":

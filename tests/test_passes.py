@@ -1,6 +1,8 @@
 """Golden graphs: the exact code each pass produces for fixed decisions on a small MLP."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -166,3 +168,60 @@ def test_rewritten_graphs_print_readably():
     cm = compile_mlp({"relu": "swap"})
     text = cm.forward_graphs[0].print_readable(print_output=False)
     assert "torch.ops.fxpooch.offload.default(relu)" in text
+
+
+SHARED_TAIL = """\
+    args_list.clear()
+    t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
+    mm = torch.ops.aten.mm.default(tangents_1, t_3);  t_3 = None
+    t_4 = torch.ops.aten.t.default(tangents_1)
+    re_t = torch.ops.aten.t.default(primals_1);  primals_1 = None
+    re_addmm = torch.ops.aten.addmm.default(primals_2, primals_3, re_t);  primals_2 = re_t = None
+    re_relu = torch.ops.aten.relu.default(re_addmm);  re_addmm = None
+    re_detach = torch.ops.aten.detach.default(re_relu)
+    re_addmm_1 = torch.ops.aten.addmm.default(primals_5, re_relu, t_1);  primals_5 = None
+    re_relu_1 = torch.ops.aten.relu.default(re_addmm_1);  re_addmm_1 = None
+    re_detach_1 = torch.ops.aten.detach.default(re_relu_1)
+    mm_1 = torch.ops.aten.mm.default(t_4, re_relu_1);  t_4 = re_relu_1 = None
+    t_5 = torch.ops.aten.t.default(mm_1);  mm_1 = None
+    sum_1 = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True);  tangents_1 = None
+    view = torch.ops.aten.view.default(sum_1, [8]);  sum_1 = None
+    t_6 = torch.ops.aten.t.default(t_5);  t_5 = None
+    detach_2 = torch.ops.aten.detach.default(re_detach_1);  re_detach_1 = None
+    threshold_backward = torch.ops.aten.threshold_backward.default(mm, detach_2, 0);  mm = detach_2 = None
+    t_7 = torch.ops.aten.t.default(t_1);  t_1 = None
+    mm_2 = torch.ops.aten.mm.default(threshold_backward, t_7);  t_7 = None
+    t_8 = torch.ops.aten.t.default(threshold_backward)
+    mm_3 = torch.ops.aten.mm.default(t_8, re_relu);  t_8 = re_relu = None
+    t_9 = torch.ops.aten.t.default(mm_3);  mm_3 = None
+    sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True);  threshold_backward = None
+    view_1 = torch.ops.aten.view.default(sum_2, [8]);  sum_2 = None
+    t_10 = torch.ops.aten.t.default(t_9);  t_9 = None
+    detach_3 = torch.ops.aten.detach.default(re_detach);  re_detach = None
+    threshold_backward_1 = torch.ops.aten.threshold_backward.default(mm_2, detach_3, 0);  mm_2 = detach_3 = None
+    t_11 = torch.ops.aten.t.default(threshold_backward_1)
+    mm_4 = torch.ops.aten.mm.default(t_11, primals_3);  t_11 = primals_3 = None
+    t_12 = torch.ops.aten.t.default(mm_4);  mm_4 = None
+    sum_3 = torch.ops.aten.sum.dim_IntList(threshold_backward_1, [0], True);  threshold_backward_1 = None
+    view_2 = torch.ops.aten.view.default(sum_3, [8]);  sum_3 = None
+    t_13 = torch.ops.aten.t.default(t_12);  t_12 = None
+    return (t_13, view_2, None, t_10, view_1, t_6, view)
+"""
+
+
+def test_shared_segment_recomputes_once_and_matches_eager():
+    """relu_1's chain rebuilds relu (and its alias) on the way: relu is not recomputed again at
+    its own first reader, but kept from there until its last one, as checkpointing does."""
+    cm = compile_mlp({"relu": "recompute", "relu_1": "recompute"})
+    sched = cm.plan.schedule
+    relu, relu_1 = (next(i for i, a in enumerate(cm.plan.graph.activations) if a.name == n) for n in ("relu", "relu_1"))
+    assert sched.materialises == {relu_1: (relu_1, relu)} and sched.shared
+    backward = code(cm.backward_graphs[0])
+    assert backward[backward.index("    args_list.clear()"):] == SHARED_TAIL.strip("\n")
+    eager = copy.deepcopy(cm.model)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    cm(x).square().sum().backward()
+    eager(x).square().sum().backward()
+    for (name, p), q in zip(cm.model.named_parameters(), eager.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import pytest
 
 from fxpooch.errors import InfeasibleMemoryLimit
+from fxpooch.hardware import Link, get_hardware
 from fxpooch.graph import Activation, Buffer, BufferKind, Op, Phase, StepGraph
 from fxpooch.planners import PLANNERS, Problem, get_planner
 from fxpooch.planners.baselines import (checkpoint_decisions, previous_convolution, previous_kernel,
@@ -125,6 +126,23 @@ def test_swap_out_hidden_by_next_forward_or_not(d2h, d2h_end, l_o, step):
     assert tl.d2h_end[0] == d2h_end
     assert tl.step_time == step
     assert overhead_sets(graph, tl, cand.decisions)[0] == l_o
+
+
+def test_copies_on_the_compute_stream_add_to_the_step():
+    """A CPU host copies on the thread that runs the ops: the swap of a1 (1 s out, 1 s in) adds
+    2 s to the 6 s of compute instead of hiding behind f2/f3 and g3."""
+    graph, costs = chain([1, 1, 1], [1, 1, 1], [1, 1, 1], [(1.0, 1.0), (1, 1), (1, 1)])
+    overlapped = evaluator(graph, costs).evaluate([S, K, K]).timeline
+    serial = evaluator(graph, dataclasses.replace(costs, serial_copies=True)).evaluate([S, K, K]).timeline
+    assert overlapped.step_time == 6.0
+    assert serial.step_time == 8.0
+    assert serial.d2h_end[0] == 2.0 and serial.forward_end == 4.0  # f2 waits for the offload
+
+
+def test_host_link_copies_on_the_compute_stream():
+    assert get_hardware("cpu").link.on_compute_stream
+    assert not any(get_hardware(n).link.on_compute_stream for n in ("v100-pcie3", "v100-nvlink2", "h100-pcie5"))
+    assert Link.from_json(get_hardware("cpu").link.to_json()) == get_hardware("cpu").link
 
 
 def test_in_core_time_is_compute_only():

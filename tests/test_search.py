@@ -17,6 +17,7 @@ import fxpooch
 from fxpooch.errors import InfeasibleMemoryLimit
 from fxpooch.planners import Evaluator, Problem, get_planner
 from fxpooch.planners.bounds import Bounds, lower_bound, split_bound
+from fxpooch.planners.lp import lp_lower_bound
 from fxpooch.planners.search import ExactSearchTooLarge, SearchOptions, plan_exact
 from fxpooch.schedule import Decision, build_schedule
 from fxpooch.simulator import simulate
@@ -117,6 +118,15 @@ def test_exact_equals_brute_force_and_bounds_stay_below(instances):
         assert best.step_time == pytest.approx(optimum, rel=1e-12)
         assert bound <= optimum * (1 + 1e-12)
         assert bound >= sum(prob.costs.op_time) * (1 - 1e-12)
+
+
+def test_lp_bound_between_the_cut_bound_and_the_optimum(instances):
+    pytest.importorskip("scipy")
+    for prob, times in instances:
+        optimum = min(times.values(), default=math.inf)
+        cut = lower_bound(Evaluator(prob))
+        lp = lp_lower_bound(Evaluator(prob))
+        assert cut <= lp <= optimum * (1 + 1e-9)
 
 
 def test_partial_bounds_stay_below_every_completion(instances):

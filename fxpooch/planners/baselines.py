@@ -50,8 +50,8 @@ def _fit_or_raise(ev: Evaluator, planner: str, candidate: Candidate | None,
 
 
 def _jit(ev: Evaluator, decisions: Sequence[Decision]) -> Candidate | None:
-    """The just-in-time schedule of ``decisions``: the least memory those decisions can need."""
-    return ev.evaluate(decisions, early_prefetch=False)
+    """The just-in-time, unshared schedule of ``decisions``: the least memory they can need."""
+    return ev.evaluate(decisions, early_prefetch=False, share=False)
 
 
 def simulate_with_prefetch(ev: Evaluator, decisions: Sequence[Decision], rule: PrefetchRule) -> Candidate | None:
@@ -235,8 +235,8 @@ def checkpoint(problem: Problem) -> Candidate:
     """Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost", the paper's [15]).
 
     sqrt(n) segments; activations that cannot be recomputed are kept. If that exceeds the
-    limit, falls back to checkpoint-all's plan. Each recomputed activation reruns its own
-    chain back to the segment's kept start (the schedule does not share chains).
+    limit, falls back to checkpoint-all's plan. A segment is recomputed once, at the first
+    reader of its last activation (the schedule shares recompute segments where that fits).
     """
     ev = Evaluator(problem)
     candidate = ev.evaluate(checkpoint_decisions(ev))

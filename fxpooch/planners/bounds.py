@@ -4,8 +4,9 @@ partial plan (what the exact search prunes with).
 Notation: ``T`` is a fitting candidate's step time, ``F`` / ``B`` the forward / backward compute
 (every op runs once, so ``T >= F + B``), ``cap = mem_limit``; ``d_a``, ``h_a`` are activation
 ``a``'s D2H / H2D seconds and ``r_a`` the cost of its recompute chain when every other
-activation is available (``recompute_chain`` only grows when more activations are recomputed,
-so every realised chain of ``a`` costs at least ``r_a``).
+activation is available, less ops already counted for a lower-numbered activation (every
+realised chain that rebuilds ``a`` runs those ops, and a shared segment runs an op once for all
+the activations it rebuilds, so ``r`` of a set adds up to at most what its recomputes run).
 
 **Cut bound.** Take a cut ``c``: the RUN instruction of one op, issued at compute time ``θ``.
 The simulator's timed memory curve is the running sum of (issue time, instruction) ordered
@@ -46,8 +47,8 @@ the cheapest-first (fractional knapsack) curves. Its minimum lies at a breakpoin
 where the two sides of a ``max`` cross, and is found exactly. No split reaches ``e``: no plan
 fits (the bound is infinite). This holds for any number of forward/backward pairs: the
 argument uses program order only. For a partial plan, kept activations leave the candidates,
-recomputed ones are evicted for sure, and ``r_a`` is priced with the decided recomputes (its
-chain passes through them).
+recomputed ones are evicted for sure at a forward cut; at a backward cut a shared segment may
+have rebuilt them earlier, so they stay optional evictees there.
 
 **Keep completion.** For a partial plan, set every undecided activation to keep and simulate
 it with no memory limit and every prefetch issued at the start of its graph's backward
@@ -180,20 +181,30 @@ class Bounds:
         log.debug("%d cuts over %d ops", len(self.cuts), len(graph.ops))
 
     def recompute_costs(self, decided: Partial) -> list[float]:
-        """Per activation: the least its recompute chain costs in any completion of ``decided``
-        (undecided ones kept; infinite where no completion can recompute it)."""
+        """Per activation: compute its recompute surely runs in any plan that recomputes it
+        (infinite where no completion of ``decided`` can recompute it).
+
+        That is its chain with every other activation available, less the ops already counted
+        for a lower-numbered activation: a shared segment (``build_schedule(share=True)``) runs
+        an op once for all the activations it rebuilds, so the costs of any set of recomputed
+        activations add up to at most what their recomputes run.
+        """
         keep = [Decision.KEEP if d is None else d for d in decided]
         out = []
+        counted: set[int] = set()
         for a, d in enumerate(decided):
             if self.first_reader[a] is None:  # never read in the backward: a recompute runs nothing
                 out.append(0.0)
                 continue
-            trial = keep if d is Decision.RECOMPUTE else [*keep[:a], Decision.RECOMPUTE, *keep[a + 1:]]
             try:
-                chain = recompute_chain(self.ev.graph, a, trial, self.ev.owner)
+                recompute_chain(self.ev.graph, a, [*keep[:a], Decision.RECOMPUTE, *keep[a + 1:]], self.ev.owner)
             except NotRecomputable:
                 out.append(math.inf)
                 continue
+            alone = [Decision.KEEP] * len(decided)
+            alone[a] = Decision.RECOMPUTE
+            chain = set(recompute_chain(self.ev.graph, a, alone, self.ev.owner)) - counted
+            counted |= chain
             out.append(sum(self.ev.problem.costs.op_time[o] for o in chain))
         return out
 
@@ -245,19 +256,24 @@ class Bounds:
         """The cut's bound over every completion of ``decided`` (``recompute``: ``recompute_costs``)."""
         before, after, excess = cut.before, cut.after, cut.excess
         members = set(cut.candidates)
+        optional = set()  # decided recomputes a shared segment may have rebuilt before a backward cut
         for a, d in enumerate(decided):
             if d is not Decision.RECOMPUTE:
                 continue
-            if a in members:  # evicted at the cut for sure
+            if cut.backward and self.first_reader[a] is not None and self.first_reader[a] <= cut.op:
+                before += recompute[a]
+            elif cut.backward:
+                if a in members:
+                    optional.add(a)
+            elif a in members:  # evicted at the cut for sure
                 excess -= self.nbytes[a]
                 after += recompute[a]
-            elif cut.backward and self.first_reader[a] is not None and self.first_reader[a] <= cut.op:
-                before += recompute[a]
             else:
                 after += recompute[a]
         swap = [(self.d2h[a], self.h2d[a], self.nbytes[a], self.first_reader[a]) for a in cut.candidates
                 if decided[a] in (None, Decision.SWAP) and self.d2h[a] < math.inf]
-        rec = [(recompute[a], self.nbytes[a]) for a in cut.candidates if decided[a] is None and recompute[a] < math.inf]
+        rec = [(recompute[a], self.nbytes[a]) for a in cut.candidates
+               if (decided[a] is None or a in optional) and recompute[a] < math.inf]
         dues = sorted({due for *_, due in swap})[:DEADLINES]
         return split_bound(before, cut.between, after, excess, swap, rec, [(k, self.suffix[k]) for k in dues])
 

@@ -88,6 +88,13 @@ def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
     return placed
 
 
+def simulation_budget(graph: StepGraph, work: int, at_most: int) -> int:
+    """Simulations that ``work`` op-simulations buy on ``graph`` (one simulation of a step of n ops
+    costs n), at least one and at most ``at_most``: a budget that does not depend on the machine,
+    with a planning time linear in the graph's size."""
+    return max(1, min(at_most, work // max(1, len(graph.ops))))
+
+
 class Evaluator:
     """Decisions -> simulated candidate, memoised; every planner judges plans through this.
 
@@ -100,7 +107,7 @@ class Evaluator:
         self.graph = problem.graph
         self.owner = member_owner(problem.graph)
         self.cache_size = cache_size
-        self._cache: OrderedDict[tuple[tuple[Decision, ...], bool], Candidate | None] = OrderedDict()
+        self._cache: OrderedDict[tuple[tuple[Decision, ...], bool, bool | None], Candidate | None] = OrderedDict()
         self._free_time: dict[tuple[Decision, ...], float] = {}
         self.evaluations = 0  # decision vectors simulated under the limit (cache misses)
 
@@ -113,20 +120,32 @@ class Evaluator:
     def budget(self) -> int:
         return self.problem.mem_limit - self.graph.resident_bytes
 
-    def evaluate(self, decisions: Sequence[Decision], early_prefetch: bool = True) -> Candidate | None:
-        """The simulated plan, or None when a recompute decision cannot be realised."""
-        key = (tuple(decisions), early_prefetch)
+    def evaluate(self, decisions: Sequence[Decision], early_prefetch: bool = True,
+                 share: bool | None = None) -> Candidate | None:
+        """The simulated plan, or None when a recompute decision cannot be realised.
+
+        ``share``: recompute shared segments once (see :func:`build_schedule`); None: do so
+        unless only the unshared schedule fits (it holds fewer rebuilt activations at once).
+        """
+        key = (tuple(decisions), early_prefetch, share)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        candidate = self._cache[key] = self._evaluate(key[0], early_prefetch)
+        if share is None:
+            candidate = self.evaluate(decisions, early_prefetch, True)
+            if candidate is not None and not candidate.fits and candidate.schedule.shared:
+                alone = self.evaluate(decisions, early_prefetch, False)
+                candidate = alone if alone is not None and alone.fits else candidate
+        else:
+            candidate = self._evaluate(key[0], early_prefetch, share)
+        self._cache[key] = candidate
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return candidate
 
-    def _evaluate(self, decisions: tuple[Decision, ...], early: bool) -> Candidate | None:
+    def _evaluate(self, decisions: tuple[Decision, ...], early: bool, share: bool) -> Candidate | None:
         try:
-            jit = build_schedule(self.graph, decisions)
+            jit = build_schedule(self.graph, decisions, share=share)
         except NotRecomputable:
             return None
         self.evaluations += 1
@@ -184,7 +203,7 @@ class Evaluator:
         Its program-order peak is the smallest feasible limit: under any limit at least that
         high, allocations wait for offloads still copying instead of exceeding it.
         """
-        options = [self.evaluate(d, early_prefetch=False)
+        options = [self.evaluate(d, early_prefetch=False, share=False)
                    for d in (self.all_swap(), self.all_recompute(), self.all_keep())]
         return min((c for c in options if c is not None),
                    key=lambda c: (c.timeline.static_peak_bytes, c.step_time))

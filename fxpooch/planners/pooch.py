@@ -13,15 +13,14 @@ import heapq
 import itertools
 import logging
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..graph import StepGraph
-from ..schedule import Decision
+from ..schedule import Decision, NotRecomputable, recompute_chain
 from ..simulator import Timeline
 from . import register
-from .common import Candidate, Evaluator, Problem, require_fit
+from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget
 
 log = logging.getLogger("fxpooch.planner.pooch")
 
@@ -32,13 +31,15 @@ class PoochOptions:
     max_exhaustive: int = 10
     #: run step 2 (swap -> recompute); False gives the paper's "swap-opt"
     recompute: bool = True
-    #: simulations each of the two search steps may run; past it the best plan so far is kept
-    #: (the exhaustive part of step 1 is exponential in |L_I|). A count, not a time, so a plan
-    #: does not depend on the machine or its load. An exhaustive step 1 (|L_I| = 10) needs about
-    #: 10,000; step 2 on the zoo's graphs about 1,000.
+    #: work each of the two search steps may do, in op-simulations (a simulation of a step of
+    #: n ops counts n): past it the best plan so far is kept (the exhaustive part of step 1 is
+    #: exponential in |L_I|). A count, not a time, so a plan does not depend on the machine or its
+    #: load, and the planning time grows linearly with the graph: a 2,000-op step gets 75
+    #: simulations per step, a 30-op one the cap below.
+    step_work: int = 150_000
+    #: most simulations a step runs however small the graph (an exhaustive step 1 with
+    #: |L_I| = 10 needs about 10,000; step 2 on the test zoo's graphs about 1,000)
     step_simulations: int = 20000
-    #: CPU seconds after which a step stops anyway (a guard for very large graphs)
-    step_seconds: float = 120.0
     #: when swap-all does not fit: activations smaller than this fraction of the limit are
     #: tried as one group before the one-by-one pass (each pass step costs a simulation)
     small_fraction: float = 1e-3
@@ -46,18 +47,20 @@ class PoochOptions:
 
 @dataclass
 class _Budget:
-    """What one search step may still spend: simulations (and a CPU-time guard)."""
+    """What one search step may still spend, in simulations (see ``PoochOptions.step_work``)."""
 
     ev: Evaluator
     simulations: int
-    seconds: float
 
     def __post_init__(self) -> None:
         self.stop_at = self.ev.simulations + self.simulations
-        self.deadline = time.process_time() + self.seconds
+
+    @classmethod
+    def of_step(cls, ev: Evaluator, options: PoochOptions) -> _Budget:
+        return cls(ev, simulation_budget(ev.graph, options.step_work, options.step_simulations))
 
     def spent(self) -> bool:
-        return self.ev.simulations >= self.stop_at or time.process_time() > self.deadline
+        return self.ev.simulations >= self.stop_at
 
 
 def _better(a: Candidate | None, b: Candidate | None) -> bool:
@@ -87,7 +90,7 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     scan = [a for a in l_o if a not in set(l_i)]
     log.debug("L_O=%d L_I=%d scan=%d", len(l_o), len(l_i), len(scan))
 
-    budget = _Budget(ev, options.step_simulations, options.step_seconds)
+    budget = _Budget.of_step(ev, options)
 
     def leaf(decisions: list[Decision]) -> Candidate | None:
         """Best of keeping the first k of ``scan`` as well, over the k that fit.
@@ -145,6 +148,41 @@ def step1_keep_or_swap(ev: Evaluator, start: Candidate, options: PoochOptions) -
     return best
 
 
+def estimated_ratio(ev: Evaluator, current: Candidate, a: int) -> float:
+    """r(X) read off ``current``'s timeline without simulating: the compute of ``a``'s recompute
+    chain over the time its swap is not hidden (the stall before its first use plus its offload's
+    run past the forward's end). Infinite where the swap is hidden or ``a`` cannot be recomputed."""
+    tl = current.timeline
+    exposed = tl.stall.get(a, 0.0) + max(0.0, tl.d2h_end.get(a, 0.0) - tl.forward_end)
+    if exposed <= 0:
+        return math.inf
+    trial = list(current.decisions)
+    trial[a] = Decision.RECOMPUTE
+    try:
+        chain = recompute_chain(ev.graph, a, trial, ev.owner)
+    except NotRecomputable:
+        return math.inf
+    return sum(ev.problem.costs.op_time[o] for o in chain) / exposed
+
+
+def _convert_best_prefix(ev: Evaluator, current: Candidate, ranked: list[tuple[float, int]],
+                         budget: _Budget) -> tuple[Candidate, list[tuple[float, int]]]:
+    """Recompute the first k of ``ranked`` at once, for k = all, 1/2, 1/4, ... of them: the
+    fastest that fits is kept (a few simulations instead of one or two per activation); returns
+    it and what is left of ``ranked``."""
+    best, best_k = current, 0
+    k = len(ranked)
+    while k >= 1 and not budget.spent():
+        trial = list(current.decisions)
+        for _, a in ranked[:k]:
+            trial[a] = Decision.RECOMPUTE
+        c = ev.evaluate(trial)
+        if _better(c, best):
+            best, best_k = c, k
+        k //= 2
+    return best, ranked[best_k:]
+
+
 def step2_swap_to_recompute(ev: Evaluator, start: Candidate, options: PoochOptions = PoochOptions()) -> Candidate:
     """Convert swaps to recomputes while r(X) < 1, smallest r(X) first.
 
@@ -152,10 +190,12 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate, options: PoochOptio
     priority queue of earlier ratios (lazy greedy): it is converted when its fresh ratio still
     heads the queue, dropped when it reaches 1, and queued again otherwise. A conversion rarely
     lowers another activation's ratio, and the full re-evaluation of every ratio after each
-    conversion costs two simulations per swapped activation.
+    conversion costs two simulations per swapped activation. When the step's budget cannot pay
+    for one ratio per swapped activation, the queue starts from :func:`estimated_ratio` instead,
+    and its best prefix is converted at once first (:func:`_convert_best_prefix`).
     """
     current = start
-    budget = _Budget(ev, options.step_simulations, options.step_seconds)
+    budget = _Budget.of_step(ev, options)
 
     def ratio(a: int) -> float:
         rec = list(current.decisions)
@@ -171,11 +211,15 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate, options: PoochOptio
             return math.inf
         return max(candidate.step_time - baseline, 0.0) / swap_overhead
 
-    queue = []
-    for a, d in enumerate(current.decisions):
-        if d is Decision.SWAP and not budget.spent():
-            queue.append((ratio(a), a))
+    swapped = [a for a, d in enumerate(current.decisions) if d is Decision.SWAP]
+    exact = 2 * len(swapped) <= budget.stop_at - ev.simulations
+    if exact:
+        queue = [(ratio(a), a) for a in swapped]
+    else:  # too many to simulate each: rank by an estimate, convert each head whose true r(X) < 1
+        queue = [(estimated_ratio(ev, current, a), a) for a in swapped]
     queue = [(r, a) for r, a in queue if r < 1.0]
+    if not exact:
+        current, queue = _convert_best_prefix(ev, current, sorted(queue), budget)
     heapq.heapify(queue)
     conversions = 0
     while queue and not budget.spent():
@@ -183,7 +227,7 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate, options: PoochOptio
         fresh = ratio(a)
         if fresh >= 1.0:
             continue
-        if queue and fresh > queue[0][0]:
+        if exact and queue and fresh > queue[0][0]:
             heapq.heappush(queue, (fresh, a))
             continue
         rec = list(current.decisions)
@@ -194,36 +238,44 @@ def step2_swap_to_recompute(ev: Evaluator, start: Candidate, options: PoochOptio
     return current
 
 
-def keep_from_output_side(ev: Evaluator, start: Candidate, options: PoochOptions) -> Candidate:
-    """Turn activations to keep, output side first, while the plan fits and gets no slower.
+def promote_from_output_side(ev: Evaluator, start: Candidate, options: PoochOptions,
+                             choice: Decision = Decision.KEEP) -> Candidate:
+    """Turn activations to ``choice`` (keep, or swap for recomputed ones), output side first,
+    while the plan fits and gets no slower, within a step's budget.
 
-    An activation larger than the headroom left under the limit is skipped without a
-    simulation: keeping it would hold its bytes through the forward-backward turn, where
-    the peak of a tight plan lies.
+    Keeping an activation larger than the headroom left under the limit is skipped without a
+    simulation: it would hold its bytes through the forward-backward turn, where the peak of a
+    tight plan lies. Tiny activations (normalisation statistics, masks) are tried together first.
     """
     best = start
-    nbytes = [ev.graph.buffers[act.buffer].nbytes for act in ev.graph.activations]
-    small = [a for a, d in enumerate(start.decisions)
-             if d is not Decision.KEEP and nbytes[a] < options.small_fraction * ev.problem.mem_limit]
-    if small:  # tiny activations (normalisation statistics, masks) are judged together
+    budget = _Budget.of_step(ev, options)
+    acts = ev.graph.activations
+    nbytes = [ev.graph.buffers[act.buffer].nbytes for act in acts]
+    before = (Decision.SWAP, Decision.RECOMPUTE) if choice is Decision.KEEP else (Decision.RECOMPUTE,)
+    movable = [a for a, d in enumerate(start.decisions)
+               if d in before and (choice is not Decision.SWAP or acts[a].swappable)]
+    small = [a for a in movable if nbytes[a] < options.small_fraction * ev.problem.mem_limit]
+
+    def attempt(group: list[int]) -> None:
+        nonlocal best
         trial = list(best.decisions)
-        for a in small:
-            trial[a] = Decision.KEEP
+        for a in group:
+            trial[a] = choice
         c = ev.evaluate(trial)
         if c is not None and c.fits and c.step_time <= best.step_time:
             best = c
-    order = sorted(range(len(start.decisions)), key=lambda a: -max(ev.graph.activations[a].members))
-    for a in order:
-        if best.decisions[a] is Decision.KEEP:
+
+    if small:
+        attempt(small)
+    for a in sorted(movable, key=lambda a: -max(acts[a].members)):
+        if budget.spent():
+            log.info("promotion to %s stopped at its budget", choice.value)
+            break
+        if best.decisions[a] not in before:
             continue
-        headroom = ev.problem.mem_limit - best.timeline.peak_bytes
-        if nbytes[a] > headroom:
+        if choice is Decision.KEEP and nbytes[a] > ev.problem.mem_limit - best.timeline.peak_bytes:
             continue
-        trial = list(best.decisions)
-        trial[a] = Decision.KEEP
-        c = ev.evaluate(trial)
-        if c is not None and c.fits and c.step_time <= best.step_time:
-            best = c
+        attempt([a])
     return best
 
 
@@ -237,8 +289,10 @@ def plan_pooch(problem: Problem, options: PoochOptions = PoochOptions(), name: s
     start = ev.evaluate(ev.all_swap())
     if start is None or not start.fits:
         # swap-all does not fit (a slow link holds offloaded memory until its copy ends): start
-        # from the most frugal plan and keep what fits, output side first (as step 1 does for L_O)
-        start = keep_from_output_side(ev, require_fit(ev, ev.floor(), name), options)
+        # from the most frugal plan, keep what fits, output side first (as step 1 does for L_O),
+        # then swap recomputes where that fits and is no slower (step 2 may turn them back)
+        start = promote_from_output_side(ev, require_fit(ev, ev.floor(), name), options)
+        start = promote_from_output_side(ev, start, options, Decision.SWAP)
     best = step1_keep_or_swap(ev, start, options)
     if options.recompute:
         best = step2_swap_to_recompute(ev, best, options)

@@ -1,9 +1,12 @@
 """Beyond PoocH's heuristic: local search over the simulator, and an exact optimum for small graphs.
 
-``local`` starts from PoocH's plan and applies single-activation changes (keep / swap /
-recompute) that make the simulated step faster while the peak stays under the limit, until no
-change helps or the time budget is spent; on graphs small enough it then runs the exact
-search's branch and bound from that plan with the time left. It is never slower than ``pooch``. ``exact`` finds
+``local`` starts from the best of PoocH's plan and the reference plans (swap-all, sqrt(n)
+checkpointing, recompute everything), applies changes to groups of activations that repeat
+across blocks (a layer's attention scores in every layer, say), then single-activation changes
+(keep / swap / recompute) that make the simulated step faster while the peak stays under the limit, until no
+change helps or its budget (op-simulations, so the plan does not depend on the machine) is
+spent; on graphs small enough it then runs the exact search's branch and bound from that plan
+with the budget left. It is never slower than ``pooch`` nor than any reference plan that fits. ``exact`` finds
 the optimum over every decision vector (3^n) by branch and bound on the simulator, for graphs
 of at most ``SearchOptions.max_exact`` activations; with ``bounds.lower_bound`` on larger ones
 it measures how far the heuristics are from the optimum.
@@ -12,14 +15,14 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 from ..errors import FxpoochError, InfeasibleMemoryLimit
 from ..schedule import Decision
 from . import register
+from .baselines import checkpoint_decisions
 from .bounds import Bounds
-from .common import Candidate, Evaluator, Problem, require_fit
+from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget
 from .pooch import plan_pooch
 
 log = logging.getLogger("fxpooch.planner.search")
@@ -27,30 +30,34 @@ log = logging.getLogger("fxpooch.planner.search")
 
 @dataclass(frozen=True)
 class SearchOptions:
-    #: CPU seconds for the whole ``local`` planner, its PoocH seed included (the seed always
-    #: completes; the search uses what is left). With what follows the last evaluation, a
-    #: 2,700-op step (ResNeXt-101 3D) plans in under 30 s.
-    time_budget: float = 25.0
+    #: work for the whole ``local`` planner, its seeds included, in op-simulations (a simulation
+    #: of a step of n ops counts n; see ``PoochOptions.step_work``): deterministic, and a planning
+    #: time linear in the graph's size. On this project's 2-core machine a 2,000-op step plans in
+    #: about 5 s.
+    work: int = 500_000
+    #: most simulations the search runs however small the graph
+    max_simulations: int = 50_000
     #: largest number of activations the exact search accepts: its worst case is 3**n
     #: simulations; up to 16 it usually proves the optimum within a minute, but a limit at the
     #: floor with a fast link (many plans within a few percent) can take minutes from 13 on
     max_exact: int = 20
 
 
-def local_search(ev: Evaluator, seed: Candidate, deadline: float) -> Candidate:
+def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     """First-improvement descent over single-activation changes, largest activations first,
-    until no change helps or the CPU clock (``time.process_time``) reaches ``deadline``."""
+    until no change helps or ``simulations`` more plans have been judged."""
+    stop_at = ev.simulations + simulations
     floor = ev.evaluate(ev.all_keep()).step_time  # nothing beats in-core (cheaper than lower_bound)
     best = seed
     order = sorted(range(len(seed.decisions)), key=lambda a: -ev.graph.buffers[ev.graph.activations[a].buffer].nbytes)
     improved = True
-    while improved and best.step_time > floor and time.process_time() < deadline:
+    while improved and best.step_time > floor and ev.simulations < stop_at:
         improved = False
         for a in order:
             for d in Decision:
                 if d is best.decisions[a] or (d is Decision.SWAP and not ev.graph.activations[a].swappable):
                     continue
-                if time.process_time() >= deadline:
+                if ev.simulations >= stop_at:
                     break
                 trial = list(best.decisions)
                 trial[a] = d
@@ -58,20 +65,83 @@ def local_search(ev: Evaluator, seed: Candidate, deadline: float) -> Candidate:
                 if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
                     best, improved = c, True
                     break
-            if time.process_time() >= deadline:
+            if ev.simulations >= stop_at:
                 break
     log.info("local search: %.4g s -> %.4g s (%d evaluations)", seed.step_time, best.step_time, ev.evaluations)
     return best
 
 
+def repeated_groups(ev: Evaluator) -> list[list[int]]:
+    """Activations that play the same part in repeated blocks (transformer layers, residual
+    stages): same producing op target, bytes and member count; groups of two or more, largest
+    total bytes first, each in program order, with its halves (input side, output side)."""
+    graph = ev.graph
+    by_kind: dict[tuple, list[int]] = {}
+    for a, act in enumerate(graph.activations):
+        key = (graph.ops[act.producer].target, graph.buffers[act.buffer].nbytes, len(act.members))
+        by_kind.setdefault(key, []).append(a)
+    groups = sorted((g for g in by_kind.values() if len(g) > 1),
+                    key=lambda g: (-len(g) * graph.buffers[graph.activations[g[0]].buffer].nbytes, g[0]))
+    out = []
+    for g in groups:
+        half = len(g) // 2
+        out.extend([g, g[:half], g[half:]] if half > 1 else [g])
+    return out
+
+
+def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
+    """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group (or
+    half of one) to keep, swap or recompute: a few simulations cover every layer of a deep model."""
+    stop_at = ev.simulations + simulations
+    best = seed
+    groups = repeated_groups(ev)
+    acts = ev.graph.activations
+    improved = True
+    while improved and ev.simulations < stop_at:
+        improved = False
+        for group in groups:
+            for d in Decision:
+                if ev.simulations >= stop_at:
+                    break
+                members = [a for a in group if d is not Decision.SWAP or acts[a].swappable]
+                if all(best.decisions[a] is d for a in members):
+                    continue
+                trial = list(best.decisions)
+                for a in members:
+                    trial[a] = d
+                c = ev.evaluate(trial)
+                if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
+                    best, improved = c, True
+    log.info("group search: %.4g s -> %.4g s (%d groups)", seed.step_time, best.step_time, len(groups))
+    return best
+
+
+def seeds(ev: Evaluator, name: str) -> Candidate:
+    """The fastest fitting plan of PoocH and the reference plans (swap-all, sqrt(n) checkpointing,
+    recompute everything): the search starts no worse than any of them."""
+    best = None
+    try:
+        best = plan_pooch(ev.problem, name=name, ev=ev)
+    except InfeasibleMemoryLimit:
+        pass
+    for decisions in (ev.all_swap(), checkpoint_decisions(ev), ev.all_recompute()):
+        c = ev.evaluate(decisions)
+        if c is not None and c.fits and (best is None or c.step_time < best.step_time):
+            best = c
+    return require_fit(ev, best, name)
+
+
 def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Candidate:
-    """PoocH's plan, then local search; on graphs small enough for the exact search, branch and
-    bound from there with the time left (the optimum when it finishes)."""
-    deadline = time.process_time() + options.time_budget
+    """The best of PoocH's plan and the reference plans, then local search; on graphs small
+    enough for the exact search, branch and bound from there with the simulations left (the
+    optimum when it finishes)."""
     ev = Evaluator(problem)
-    best = local_search(ev, plan_pooch(problem, name="local", ev=ev), deadline)
-    if len(problem.graph.activations) <= options.max_exact and time.process_time() < deadline:
-        search = _branch_and_bound(ev, best, deadline)
+    stop_at = simulation_budget(problem.graph, options.work, options.max_simulations)
+    best = seeds(ev, "local")
+    best = group_search(ev, best, max(0, (stop_at - ev.simulations) // 2))
+    best = local_search(ev, best, max(0, stop_at - ev.simulations))
+    if len(problem.graph.activations) <= options.max_exact and ev.simulations < stop_at:
+        search = _branch_and_bound(ev, best, stop_at)
         log.info("local: branch and bound %s after %d nodes", "stopped at the budget" if search.stopped
                  else "proved the optimum", search.nodes)
         best = search.best
@@ -90,7 +160,7 @@ class _Search:
     bounds: Bounds
     order: list[int]
     best: Candidate | None
-    deadline: float = math.inf  # CPU clock (time.process_time) at which the search gives up
+    stop_at: float = math.inf  # ``ev.simulations`` at which the search gives up
     nodes: int = 0
     stopped: bool = False
 
@@ -110,7 +180,7 @@ class _Search:
 
     def visit(self, decided: list[Decision | None], depth: int) -> None:
         self.nodes += 1
-        if self.stopped or time.process_time() > self.deadline:
+        if self.stopped or self.ev.simulations >= self.stop_at:
             self.stopped = True
             return
         if depth == len(self.order):
@@ -149,7 +219,8 @@ def plan_exact(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
             f"fxpooch.planners.bounds.lower_bound for how far it can be from the optimum.")
     ev = Evaluator(problem)
     try:
-        seed = local_search(ev, plan_pooch(problem, name="exact", ev=ev), time.process_time() + options.time_budget)
+        seed = local_search(ev, seeds(ev, "exact"),
+                            simulation_budget(problem.graph, options.work, options.max_simulations))
     except InfeasibleMemoryLimit:
         seed = None
     search = _branch_and_bound(ev, seed)
@@ -158,11 +229,11 @@ def plan_exact(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     return require_fit(ev, search.best, "exact")
 
 
-def _branch_and_bound(ev: Evaluator, seed: Candidate | None, deadline: float = math.inf) -> _Search:
+def _branch_and_bound(ev: Evaluator, seed: Candidate | None, stop_at: float = math.inf) -> _Search:
     acts = ev.graph.activations
     nbytes = [ev.graph.buffers[act.buffer].nbytes for act in acts]
     order = sorted(range(len(acts)), key=lambda a: (-nbytes[a], max(acts[a].members)))
-    search = _Search(ev, Bounds(ev), order, seed, deadline)
+    search = _Search(ev, Bounds(ev), order, seed, stop_at)
     search.visit([None] * len(acts), 0)
     return search
 

@@ -1,0 +1,193 @@
+"""The default planner over models x limits x presets: is it ever far from the best plan any
+planner finds, slower than swap-all or sqrt(n) checkpointing, or far from the lower bound? And
+how does its planning time grow with the graph?
+
+Models: GPT-2 (HuggingFace ``GPT2LMHeadModel``, 768 wide, context 1024, batch 8, loss inside
+the model; the zoo's own decoder when transformers is missing) at several depths, ResNet-50 at
+batch 256, and the test zoo (tests/zoo.py). Limits: the floor (the smallest feasible limit) and
+1/4, 1/2, 3/4 of the way to the in-core peak. Presets: V100 PCIe3, V100 NVLink2, H100 PCIe5.
+Everything is simulated on the analytic cost model and traced on the meta device (the test zoo
+runs its tiny models for real); planning times are CPU seconds of this process.
+Writes ``results/planners_sweep.json`` and ``results/planners_time.svg``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+from tabulate import tabulate
+
+import fxpooch
+from fxpooch import models as zoo
+from fxpooch.errors import InfeasibleMemoryLimit
+from fxpooch.planners import PLANNERS, Evaluator, Problem
+from fxpooch.planners.bounds import lower_bound
+from fxpooch.planners.lp import lp_lower_bound
+
+DEFAULT = "local"
+PLANNERS_COMPARED = (DEFAULT, "pooch", "swap-all", "checkpoint", "checkpoint-all")
+PRESETS = ("v100-pcie3", "v100-nvlink2", "h100-pcie5")
+POINTS = (0.0, 0.25, 0.5, 0.75)  # limit = floor + point * (in-core - floor)
+GPT2_DEPTHS_FULL = (2, 6, 12, 24, 48)
+GPT2_DEPTHS_QUICK = (2, 6)
+#: graphs up to this many activations get the LP relaxation's bound, larger ones the cut bound
+LP_UP_TO = 300
+#: the yardsticks: within this of the best plan; of the bound where the bound is tight
+BEST_TOLERANCE, BOUND_TOLERANCE = 0.10, 0.15
+
+
+def gpt2(n_layer: int, batch: int = 8, seq: int = 1024):
+    try:
+        import transformers
+    except ImportError:
+        with torch.device("meta"):
+            return zoo.gpt_decoder(n_layer=n_layer, seq=seq), zoo.token_input(batch, seq)
+    config = transformers.GPT2Config(n_layer=n_layer, n_embd=768, n_head=12, n_positions=seq, use_cache=False)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def models(quick: bool):
+    for depth in GPT2_DEPTHS_QUICK if quick else GPT2_DEPTHS_FULL:
+        yield f"gpt2-{depth}L", lambda depth=depth: gpt2(depth)
+    if not quick:
+        def resnet50():
+            with torch.device("meta"):
+                spec = zoo.MODELS["resnet50"]
+                return spec.build(), spec.make_input(256)
+        yield "resnet50-b256", resnet50
+    path = os.path.join(os.path.dirname(__file__), "..", "tests", "zoo.py")
+    spec = importlib.util.spec_from_file_location("fxpooch_test_zoo", path)  # the tests' graphs, not fxpooch.models
+    test_zoo = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dynamo imports it by name
+    spec.loader.exec_module(test_zoo)
+    for name in sorted(test_zoo.ZOO):
+        yield f"test:{name}", test_zoo.ZOO[name]
+
+
+def plan_row(prob: Problem, in_core_time: float) -> dict:
+    row: dict = {}
+    for p in PLANNERS_COMPARED:
+        t0 = time.process_time()
+        try:
+            row[p] = PLANNERS[p](prob).step_time / in_core_time
+        except InfeasibleMemoryLimit:
+            row[p] = None
+        row[f"{p}_s"] = time.process_time() - t0
+    t0 = time.process_time()
+    lp = len(prob.graph.activations) <= LP_UP_TO
+    bound = (lp_lower_bound if lp else lower_bound)(Evaluator(prob))
+    row["bound_kind"] = "lp" if lp else "cut"
+    row["bound_s"] = time.process_time() - t0
+    row["bound"] = None if bound == math.inf else bound / in_core_time
+    found = [row[p] for p in PLANNERS_COMPARED if row[p] is not None]
+    row["best"] = min(found) if found else None
+    d = row[DEFAULT]
+    row["gap_to_best"] = None if d is None or row["best"] is None else d / row["best"] - 1
+    row["gap_to_bound"] = None if d is None or row["bound"] is None else d / row["bound"] - 1
+    row["worse_than_reference"] = [p for p in ("swap-all", "checkpoint") if row[p] is not None
+                                   and (d is None or d > row[p] * (1 + 1e-9))]
+    return row
+
+
+def run(quick: bool) -> list[dict]:
+    rows = []
+    presets = ("v100-pcie3", "h100-pcie5") if quick else PRESETS
+    for name, build in models(quick):
+        model, x = build()
+        for hw in presets:
+            t0 = time.process_time()
+            base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
+            graph, costs = base.graph, base.profile.costs(base.graph)
+            floor = Evaluator(Problem(graph, costs, base.in_core_peak_bytes)).floor().timeline.static_peak_bytes
+            print(f"{name} on {hw}: {len(graph.ops)} ops, {len(graph.activations)} activations, floor "
+                  f"{floor / base.in_core_peak_bytes:.2f} of in-core (captured in {time.process_time() - t0:.1f} CPU s)",
+                  file=sys.stderr, flush=True)
+            for point in POINTS:
+                limit = int(floor + point * (base.in_core_peak_bytes - floor))
+                row = {"model": name, "hardware": hw, "point": point, "limit": limit,
+                       "fraction": limit / base.in_core_peak_bytes, "ops": len(graph.ops),
+                       "activations": len(graph.activations)}
+                row.update(plan_row(Problem(graph, costs, limit), base.in_core_time))
+                rows.append(row)
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    planned = [r for r in rows if r[DEFAULT] is not None]
+    tight = [r for r in planned if r["bound"] is not None and r["gap_to_best"] is not None
+             and r["best"] <= r["bound"] * (1 + BOUND_TOLERANCE)]
+    return {
+        "rows": len(rows), "default_fits": len(planned),
+        "default_fails_where_another_fits": sum(r[DEFAULT] is None and r["best"] is not None for r in rows),
+        "worst_gap_to_best": max((r["gap_to_best"] for r in planned), default=None),
+        "rows_over_best_tolerance": sum(r["gap_to_best"] > BEST_TOLERANCE for r in planned),
+        "rows_worse_than_swap_all_or_checkpoint": sum(bool(r["worse_than_reference"]) for r in planned),
+        "rows_with_tight_bound": len(tight),
+        "worst_gap_to_tight_bound": max((r["gap_to_bound"] for r in tight), default=None),
+    }
+
+
+def time_picture(rows: list[dict], path: str) -> None:
+    """Planning CPU seconds of the default planner against ops, log-log, as a plain SVG."""
+    pts = [(r["ops"], r[f"{DEFAULT}_s"]) for r in rows if r[f"{DEFAULT}_s"] > 0]
+    if not pts:
+        return
+    w, h, m = 640, 400, 60
+    lx = [math.log10(o) for o, _ in pts]
+    ly = [math.log10(t) for _, t in pts]
+    x0, x1 = math.floor(min(lx)), math.ceil(max(lx))
+    y0, y1 = math.floor(min(ly)), math.ceil(max(ly))
+    x1, y1 = max(x1, x0 + 1), max(y1, y0 + 1)
+
+    def px(x, y):
+        return m + (x - x0) / (x1 - x0) * (w - 2 * m), h - m - (y - y0) / (y1 - y0) * (h - 2 * m)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{w}" height="{h}" fill="white"/>',
+           f'<text x="{w / 2}" y="20" text-anchor="middle">{DEFAULT} planner: planning CPU seconds vs graph ops '
+           '(log-log, simulated plans)</text>']
+    for k in range(x0, x1 + 1):
+        x, _ = px(k, y0)
+        out.append(f'<line x1="{x}" y1="{m}" x2="{x}" y2="{h - m}" stroke="#ddd"/>'
+                   f'<text x="{x}" y="{h - m + 16}" text-anchor="middle">{10 ** k:g}</text>')
+    for k in range(y0, y1 + 1):
+        _, y = px(x0, k)
+        out.append(f'<line x1="{m}" y1="{y}" x2="{w - m}" y2="{y}" stroke="#ddd"/>'
+                   f'<text x="{m - 6}" y="{y + 4}" text-anchor="end">{10 ** k:g}</text>')
+    for a, b in zip(lx, ly):
+        x, y = px(a, b)
+        out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="#1f6fb4" fill-opacity="0.6"/>')
+    out.append(f'<text x="{w / 2}" y="{h - 15}" text-anchor="middle">ops in the step graph</text></svg>')
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def main(quick: bool, out: str) -> None:
+    rows = run(quick)
+
+    def fmt(v):
+        return "fails" if v is None else f"{v:.3f}x"
+
+    table = [[r["model"], r["hardware"], f"{r['fraction']:.2f}", r["ops"], *(fmt(r[p]) for p in PLANNERS_COMPARED),
+              fmt(r["bound"]), "-" if r["gap_to_best"] is None else f"{100 * r['gap_to_best']:.1f}%",
+              "-" if r["gap_to_bound"] is None else f"{100 * r['gap_to_bound']:.1f}%", f"{r[f'{DEFAULT}_s']:.1f}"]
+             for r in rows]
+    print(f"Simulated step time relative to in-core (analytic cost model, not measured); limit as a fraction "
+          f"of in-core, from the floor up; gaps of the default planner ({DEFAULT}):")
+    print(tabulate(table, headers=["model", "hardware", "limit", "ops", *PLANNERS_COMPARED, "bound",
+                                   "gap best", "gap bound", f"{DEFAULT} CPU s"]))
+    summ = summary(rows)
+    print(json.dumps(summ, indent=1))
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    command = "python benchmarks/planners.py --part sweep" + (" --quick" if quick else "")
+    with open(out, "w") as f:
+        json.dump({"simulated": True, "command": command, "summary": summ, "rows": rows}, f, indent=1)
+    time_picture(rows, os.path.join(os.path.dirname(out), "planners_time.svg"))
+    print(f"wrote {out}")
