@@ -1,7 +1,8 @@
 """The key under which the passes record their decisions in ``node.meta``.
 
-Each node a pass inserts or marks gets ``node.meta[META_KEY] = {"activation": name, "decision":
-"keep" | "swap" | "recompute", ...}`` (a recomputed copy also names the node it ``recomputes``).
+Each node a pass inserts, and each saved value of a swapped or recomputed activation, gets
+``node.meta[META_KEY] = {"activation": name, "decision": "swap" | "recompute"}``; a recomputed copy
+also names the node it ``recomputes``.
 """
 from __future__ import annotations
 
