@@ -11,7 +11,6 @@ the node and the :class:`~fxpooch.hardware.Hardware`.
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from .hardware import Hardware
+from .opkind import is_kernel_free
 from . import _torch_compat as compat
 from ._torch_compat import OpOverload, tree_leaves, tree_map
 
@@ -30,50 +30,6 @@ log = logging.getLogger("fxpooch.costmodel")
 # Size assumed for a data-dependent (unbacked) SymInt that has no hint; the same default as
 # torch._inductor.config.unbacked_symint_fallback.
 UNBACKED_SIZE_FALLBACK = 8192
-
-# Node kinds that never run a kernel themselves.
-_STRUCTURAL_OPS = frozenset({"placeholder", "output", "get_attr"})
-
-
-# --------------------------------------------------------------------------- schema helpers
-
-def _is_tensor_type(jit_type: Any) -> bool:
-    """True for ``Tensor``, ``Tensor?`` and ``Tensor[]`` schema types."""
-    kind = jit_type.kind()
-    if kind in ("ListType", "OptionalType"):
-        return _is_tensor_type(jit_type.getElementType())
-    return kind == "TensorType"
-
-
-def _schema_is_view(schema: torch.FunctionSchema) -> bool:
-    """True when the op writes nothing and every tensor it returns aliases an input.
-
-    Non-tensor returns (``sym_size`` -> ``SymInt``) need no kernel either, so an op that only
-    returns those, or returns nothing without mutating anything, also counts as a view.
-    """
-    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-        return False
-    for ret in schema.returns:
-        if _is_tensor_type(ret.type) and (ret.alias_info is None or ret.alias_info.is_write):
-            return False
-    return True
-
-
-def is_kernel_free(node: fx.Node) -> bool:
-    """True if ``node`` launches no kernel.
-
-    That is placeholders, outputs, ``get_attr``, ``operator.getitem``, any ``call_function``
-    whose target is not an ``OpOverload`` (plain Python functions), and aten ops whose schema
-    says they only alias their inputs (``view``, ``t``, ``expand``, ``split``, ``detach``, ...).
-    ``aten._unsafe_view`` has no alias annotation in its schema and is treated as a kernel.
-    """
-    if node.op in _STRUCTURAL_OPS or node.op != "call_function":
-        return True  # call_module / call_method do not occur in aten-level graphs
-    target = node.target
-    if target is operator.getitem or not isinstance(target, OpOverload):
-        return True
-    return _schema_is_view(target._schema)
-
 
 # --------------------------------------------------------------------------- tensor helpers
 

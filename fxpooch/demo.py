@@ -19,6 +19,7 @@ from .errors import InvalidMemoryLimit, UnsupportedModel
 from .api import compile, plan
 from .hardware import get_hardware
 from .plan import Plan
+from .report import summary_rows
 from .svg import memory_svg
 from .trace import write_chrome_trace
 from .units import format_bytes
@@ -135,7 +136,7 @@ def run_demo(fraction: float = 0.5, batch: int = 16, size: int = 64, steps: int 
     cm = compile(model, x, limit, profile=probe.profile)
     print(f"planned in {time.perf_counter() - t0:.1f} s\n")
     print(cm.plan if on_gpu else "the plan on this machine (print(compiled.plan) lists every activation):\n"
-          + "\n".join(f"  {k:26} {v}" for k, v in cm.plan.summary_rows()))
+          + "\n".join(f"  {k:26} {v}" for k, v in summary_rows(cm.plan)))
     written = _write_pictures(cm.plan, out_dir, "demo")
     if written:
         print("\n" + written)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .bytesize import format_bytes
+
 
 class FxpoochError(Exception):
     """Base class of every error fxpooch raises on purpose."""
@@ -25,8 +27,6 @@ class InfeasibleMemoryLimit(FxpoochError, ValueError):
 
     def __init__(self, mem_limit: int, min_feasible_bytes: int, live: Sequence[tuple[str, int]] = (),
                  planner: str = "pooch", margin_bytes: int = 0):
-        from .units import format_bytes
-
         self.mem_limit = mem_limit
         self.min_feasible_bytes = min_feasible_bytes
         self.live = tuple(live)
@@ -69,8 +69,6 @@ class HostPoolExhausted(FxpoochError, MemoryError):
     """The host copies of swapped activations need more than the pool's ``host_pool_limit``."""
 
     def __init__(self, limit: int, in_use: int, need: int):
-        from .units import format_bytes
-
         self.limit, self.in_use, self.need = limit, in_use, need
         super().__init__(
             f"the host pool needs a {format_bytes(need)} block but already holds {format_bytes(in_use)} of host "

@@ -1,4 +1,4 @@
-"""``plan.explain(name)``: why one activation got its decision, from the plan's what-if numbers.
+"""``plan.explain(name)`` (:func:`explain`): why one activation got its decision, from the plan's what-if numbers.
 
 ``name`` is an activation's name (a key of ``plan.decisions``) or the path of the module that saved
 it (``layer1.0.bn1``, as in ``model.named_modules()``); a module saving several activations gets
@@ -6,14 +6,28 @@ one answer for each.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
-from .plan import activation_names, format_r
+from .plan import activation_names
+from .report import format_r, format_time, late_offload, shape_dtype, time_unit
 from .schedule import Decision, Kind
 from .units import format_bytes
 
 if TYPE_CHECKING:
-    from .plan import Overheads, Plan, WhatIf
+    from .plan import Plan
+    from .whatif import Overheads, WhatIf
+
+
+def explain(plan: Plan, name: str) -> str:
+    """Why activation ``name`` (a key of ``plan.decisions``) got its decision, in numbers; for a
+    module path (``layer1.0.bn1``), the same for each activation that module saved."""
+    found = plan.indices(name)
+    parts = [explain_one(plan, a) for a in found]
+    if len(found) > 1:
+        names = activation_names(plan.graph)
+        parts.insert(0, f"module {name} saves {len(found)} activations: " + ", ".join(names[a] for a in found))
+    return "\n\n".join(parts)
 
 
 def explain_one(plan: Plan, a: int) -> str:
@@ -21,10 +35,10 @@ def explain_one(plan: Plan, a: int) -> str:
     graph, sched, tl = plan.graph, plan.schedule, plan.timeline
     act = graph.activations[a]
     d = sched.decisions[a]
-    o = plan.overheads(a)
-    t = plan._fmt_time
-    unit, _ = plan._time_unit()
-    shape, dtype = plan._meta(a)
+    o = plan.what_ifs.overheads(a)
+    t = partial(format_time, plan)
+    unit, _ = time_unit(plan)
+    shape, dtype = shape_dtype(plan, a)
     name = activation_names(graph)[a]
     module = plan.module_of(a)
     nbytes = graph.buffers[act.buffer].nbytes
@@ -43,7 +57,7 @@ def explain_one(plan: Plan, a: int) -> str:
         lines.append(f"  produced at {t(produced)} {unit}, first used at {t(tl.start[run_at[first]])} {unit} "
                      f"by {graph.ops[first].name} ({gap / max(plan.step_time, 1e-30):.0%} of the step later)")
     if d is Decision.SWAP:
-        stall, late = tl.stall.get(a, 0.0), plan._late_offload(a)
+        stall, late = tl.stall.get(a, 0.0), late_offload(plan, a)
         hidden = "hidden" if stall == 0 and late == 0 else "not hidden"
         lines.append(f"  swap is {hidden}: stall {t(stall)} {unit}, offload past forward end {t(late)} {unit}, "
                      f"{format_bytes(act.transfer_bytes)} each way")
@@ -69,19 +83,19 @@ def explain_one(plan: Plan, a: int) -> str:
 
 
 def _saving(plan: Plan, chosen: WhatIf | None, keep: WhatIf) -> str:
-    unit, _ = plan._time_unit()
+    unit, _ = time_unit(plan)
     saved = 0.0 if chosen is None else chosen.step_time - keep.step_time
-    if plan._fmt_time(saved) == "0":
+    if format_time(plan, saved) == "0":
         return "at the same step time (the planner frees memory it could keep when that is free)"
     if saved < 0:
-        return f"but {plan._fmt_time(-saved)} {unit} slower"
-    return f"{plan._fmt_time(saved)} {unit} faster: planner {plan.planner!r} chose otherwise"
+        return f"but {format_time(plan, -saved)} {unit} slower"
+    return f"{format_time(plan, saved)} {unit} faster: planner {plan.planner!r} chose otherwise"
 
 
 def _why(plan: Plan, d: Decision, o: Overheads) -> str:
     """One sentence from the what-if numbers."""
-    t = plan._fmt_time
-    unit, _ = plan._time_unit()
+    t = partial(format_time, plan)
+    unit, _ = time_unit(plan)
     limit = format_bytes(plan.mem_limit)
 
     def cost(w: WhatIf | None, what: str, why_not: str) -> str:

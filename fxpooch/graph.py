@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from . import _torch_compat as compat
 from .capture import GraphPair
-from .costmodel import is_kernel_free
+from .opkind import is_kernel_free
 from .memory import MemoryModel
 from .recompute import recompute_inputs
 

@@ -17,6 +17,7 @@ from types import MappingProxyType
 import torch
 
 from .errors import UnknownName
+from .memory import CUDA_ALLOCATOR_ALIGNMENT
 
 __all__ = ["Link", "LinkCalibration", "Hardware", "LINKS", "PRESETS", "fit_link", "get_hardware", "get_link",
            "dtype_name"]
@@ -36,10 +37,6 @@ _DMA_LATENCY_S = 10e-6
 # Blog, "Getting Started with CUDA Graphs", 2019, measures ~2-3 us of pure launch time; framework
 # dispatch adds more). 5 us is a round middle estimate.
 _GPU_LAUNCH_S = 5e-6
-
-# The CUDA caching allocator rounds every block up to a multiple of 512 bytes
-# (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp).
-_CUDA_ALLOC_ALIGNMENT = 512
 
 
 def fit_link(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
@@ -231,7 +228,7 @@ class Hardware:
     launch_overhead: float
     memory_bytes: int
     link: Link
-    allocator_alignment: int = _CUDA_ALLOC_ALIGNMENT
+    allocator_alignment: int = CUDA_ALLOCATOR_ALIGNMENT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "flops", _FrozenRates(self.flops))

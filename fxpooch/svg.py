@@ -276,7 +276,7 @@ def memory_svg(plan: Plan, path: str | os.PathLike | None = None) -> str:
 
     Returns the SVG text; also writes it to ``path`` when given.
     """
-    tl, in_core = plan.timeline, plan.in_core_timeline()
+    tl, in_core = plan.timeline, plan.what_ifs.in_core_timeline
     resident = plan.graph.resident_bytes
     top_bytes = max(in_core.peak_bytes, tl.peak_bytes)
     limit_shown = plan.mem_limit <= 1.5 * top_bytes  # a far-away limit would flatten the curves

@@ -3,7 +3,7 @@
 ``parse_bytes`` turns a user-facing byte count (``16 * 2**30``, ``"16GiB"``, ``"16G"``) into a
 positive int number of bytes; ``parse_limit`` also accepts the memory-limit forms that need the
 step or the device to resolve (``"60%"`` of the in-core peak, ``"device"``); ``format_bytes``
-renders a byte count for messages.
+renders a byte count for messages (defined in :mod:`fxpooch.bytesize`, a leaf module).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from types import MappingProxyType
 
+from .bytesize import format_bytes
 from .errors import InvalidMemoryLimit
 
 __all__ = ["MAX_BYTES", "UNITS", "DEVICE", "InCoreShare", "parse_bytes", "parse_limit", "format_bytes"]
@@ -45,9 +46,6 @@ _DECIMAL_PRECISION = 64
 
 _HINT = "pass a positive int number of bytes or a string like '16GiB', '500MiB' or '16GB'"
 _LIMIT_HINT = f"{_HINT}, a share of the in-core peak like '60%', or 'device' (all the device can give)"
-
-# Binary prefixes used by format_bytes, smallest first.
-_BINARY_STEPS = (("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40), ("PiB", 2**50))
 
 
 def parse_bytes(value: object, what: str = "memory limit") -> int:
@@ -150,17 +148,3 @@ def parse_limit(value: object) -> int | InCoreShare | str:
                 raise InvalidMemoryLimit(f"cannot parse memory limit {value!r}; {_LIMIT_HINT}") from None
             raise
     return parse_bytes(value)
-
-
-def format_bytes(n: int) -> str:
-    """Render a byte count with binary units: ``512 -> "512 B"``, ``2**20 -> "1.00 MiB"``."""
-    n = int(n)
-    sign = "-" if n < 0 else ""
-    magnitude = abs(n)
-    if magnitude < 2**10:
-        return f"{sign}{magnitude} B"
-    name, scale = _BINARY_STEPS[0]
-    for step_name, step_scale in _BINARY_STEPS:
-        if magnitude >= step_scale:
-            name, scale = step_name, step_scale
-    return f"{sign}{magnitude / scale:.2f} {name}"

@@ -12,7 +12,7 @@ import torch.fx as fx
 from fxpooch.graph import NodeTable, StepGraph
 from fxpooch.schedule import Decision, Schedule
 
-META_KEY = "fxpooch"
+from .meta import META_KEY
 
 
 def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTable,

@@ -15,7 +15,7 @@ from fxpooch.graph import NodeTable, StepGraph
 from fxpooch.recompute import recompute_call
 from fxpooch.schedule import Kind, Schedule
 
-META_KEY = "fxpooch"
+from .meta import META_KEY
 
 
 def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTable,

@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxpooch.costmodel import analytic_time, is_kernel_free, node_bytes, node_flops
+from fxpooch.costmodel import analytic_time, node_bytes, node_flops
 from fxpooch.hardware import LINKS, Hardware, get_hardware
+from fxpooch.opkind import is_kernel_free
 
 aten = torch.ops.aten
 

@@ -3,7 +3,6 @@ and the what-if numbers behind keep / swap / recompute."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -11,10 +10,11 @@ import torch
 import zoo
 
 import fxpooch
-from fxpooch.plan import activation_meta, activation_names
+from fxpooch import report
+from fxpooch.plan import activation_meta, activation_names, module_path
 from fxpooch.units import format_bytes
+from fxpooch.whatif import Overheads, WhatIf
 
-plan_module = importlib.import_module("fxpooch.plan")  # the attribute fxpooch.plan is the function
 HW = "v100-pcie3"
 
 
@@ -67,7 +67,7 @@ def test_overhead_columns_and_r(swapped):
     for column in ("graph", "activation", "op", "shape", "dtype", "bytes", "decision", "stall", "late d2h",
                    "swap +", "recompute +", "r(X)"):
         assert column in header
-    o = swapped.overheads(0)
+    o = swapped.what_ifs.overheads(0)
     assert o.keep.step_time > 0 and o.swap is not None
     assert o.swap_overhead == pytest.approx(o.swap.step_time - o.keep.step_time)
 
@@ -82,7 +82,7 @@ def test_totals(swapped):
     assert swapped.host_bytes > 0
     c = swapped.counts()
     assert f"{c['keep']} / {c['swap']} / {c['recompute']}" in totals["keep / swap / recompute"]
-    unit, scale = swapped._time_unit()
+    unit, scale = report.time_unit(swapped)
     assert f"{swapped.step_time * scale:.3f} {unit}" in totals["step time (simulated)"]
     assert f"{swapped.step_time / swapped.in_core_time:.2f}x in-core" in totals["step time (simulated)"]
     assert f"{swapped.in_core_time * scale:.3f} {unit}" in totals["in-core step time"]
@@ -104,7 +104,7 @@ def test_activation_meta_reads_node_values(kept):
 
 
 def test_large_graphs_leave_out_the_overhead_columns(kept, monkeypatch):
-    monkeypatch.setattr(plan_module, "MAX_OVERHEAD_ACTIVATIONS", 3)
+    monkeypatch.setattr(report, "MAX_OVERHEAD_ACTIVATIONS", 3)
     fresh = dataclasses.replace(kept)
     text = str(fresh)
     assert "r(X)" not in text.splitlines()[0]
@@ -129,7 +129,7 @@ def test_explain_swap(swapped):
     assert text.startswith(f"{name} (graph 0, module {swapped.module_of(a)}): swap")
     assert "swap is hidden" in text or "swap is not hidden" in text
     assert "stall" in text and "why: swapped" in text
-    o = swapped.overheads(a)
+    o = swapped.what_ifs.overheads(a)
     assert o.swap.step_time == pytest.approx(swapped.step_time, rel=0.05)
 
 
@@ -139,7 +139,7 @@ def test_explain_recompute(recomputed):
     text = recomputed.explain(name)
     assert text.startswith(f"{name} (graph 0, module {recomputed.module_of(a)}): recompute")
     assert "recompute runs" in text and "why: recomputed" in text
-    assert recomputed.overheads(a).recompute is not None
+    assert recomputed.what_ifs.overheads(a).recompute is not None
 
 
 def test_explain_unknown_name(kept):
@@ -171,8 +171,8 @@ def test_rows_name_the_module_that_saved_each_activation(kept):
     ("L['model']", ""),
 ])
 def test_module_path_spellings(path, expected):
-    assert plan_module.module_path({"nn_module_stack": {"k0": ("L['model']", object), "k1": (path, object)}}) == expected
-    assert plan_module.module_path({}) == ""
+    assert module_path({"nn_module_stack": {"k0": ("L['model']", object), "k1": (path, object)}}) == expected
+    assert module_path({}) == ""
 
 
 def test_explain_accepts_a_module_path(kept):
@@ -190,10 +190,10 @@ def test_explain_accepts_a_module_path(kept):
 
 
 def test_small_activations_fold_into_one_line(kept):
-    folded = kept.folded()
+    folded = report.folded(kept)
     sizes = [kept.graph.buffers[a.buffer].nbytes for a in kept.graph.activations]
-    assert folded and all(sizes[a] < plan_module.FOLD_BELOW_BYTES for a in folded)
-    assert all(sizes[a] < max(sizes) * plan_module.FOLD_FRACTION for a in folded)
+    assert folded and all(sizes[a] < report.FOLD_BELOW_BYTES for a in folded)
+    assert all(sizes[a] < max(sizes) * report.FOLD_FRACTION for a in folded)
     text = str(kept)
     rows = _table_rows(text)
     names = activation_names(kept.graph)
@@ -205,10 +205,10 @@ def test_small_activations_fold_into_one_line(kept):
 
 
 def test_r_is_never_negative():
-    keep = plan_module.WhatIf(1.0, 10, True)
-    faster = plan_module.Overheads(keep, swap=plan_module.WhatIf(1.5, 5, True), recompute=plan_module.WhatIf(0.9, 5, True))
+    keep = WhatIf(1.0, 10, True)
+    faster = Overheads(keep, swap=WhatIf(1.5, 5, True), recompute=WhatIf(0.9, 5, True))
     assert faster.recompute_overhead < 0 and faster.r == 0.0  # recomputing is free here, not "-0.2"
-    free = plan_module.Overheads(keep, swap=plan_module.WhatIf(0.9, 5, True), recompute=plan_module.WhatIf(0.8, 5, True))
-    assert plan_module.format_r(free.r) == "-"  # neither costs anything: no ratio
-    swap_free = plan_module.Overheads(keep, swap=plan_module.WhatIf(1.0, 5, True), recompute=plan_module.WhatIf(1.2, 5, True))
-    assert plan_module.format_r(swap_free.r) == "inf"
+    free = Overheads(keep, swap=WhatIf(0.9, 5, True), recompute=WhatIf(0.8, 5, True))
+    assert report.format_r(free.r) == "-"  # neither costs anything: no ratio
+    swap_free = Overheads(keep, swap=WhatIf(1.0, 5, True), recompute=WhatIf(1.2, 5, True))
+    assert report.format_r(swap_free.r) == "inf"

@@ -21,7 +21,7 @@ from fxpooch.planners.lp import lp_lower_bound
 from fxpooch.planners.search import ExactSearchTooLarge, SearchOptions, plan_exact
 from fxpooch.schedule import Decision, build_schedule
 from fxpooch.simulator import simulate
-from test_planners import CONV, RELU, build, chain
+from stepgraphs import CONV, RELU, build, chain
 from zoo import ZOO
 
 K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
