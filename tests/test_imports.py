@@ -21,7 +21,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("costs", {"hardware", "costmodel", "profile", "limits"}),
     ("schedule", {"schedule", "simulator"}),
     ("planners", {"planners", "planners.common", "planners.baselines", "planners.bounds", "planners.pooch",
-                  "planners.search"}),
+                  "planners.lp", "planners.search"}),
     ("plan", {"plan"}),
     ("inspect", {"whatif", "report", "explain", "svg", "trace"}),
     ("passes", {"passes", "passes.meta", "passes.offload", "passes.swapin", "passes.rewrite"}),
