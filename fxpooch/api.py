@@ -22,12 +22,12 @@ from .hardware import Hardware, Link, get_hardware
 from .limits import default_margin, resolve_limit
 from .memory import Margin, MemoryModel
 from .plan import Plan, activation_meta, activation_names, module_paths
-from .planners import Problem, get_planner
-from .profile import Profile, ProfileOptions, analytic_profile, in_core_peak_bytes, measure_link, measure_profile
+from .planners import Planner, Problem, resolve_planner
+from .profile import Profile, ProfileOptions, analytic_profile, measure_link, measure_profile
 from .progress import stage
 from .runtime import HostPool, using_pool
 from .schedule import build_schedule
-from .simulator import simulate
+from .simulator import in_core_peak_bytes, simulate
 from .units import InCoreShare, parse_bytes, parse_limit
 
 log = logging.getLogger("fxpooch.compile")
@@ -50,7 +50,7 @@ class CompileOptions:
     ``host_pool_limit``, ``max_plans`` or profile path is reported here, before anything runs.
     """
 
-    planner: str = "local"
+    planner: str | Planner = "local"
     profile: str | Profile | os.PathLike = "measure"
     hardware: str | Hardware | None = None  # analytic costs and the default link
     link: Link | None = None  # overrides the hardware's link
@@ -285,7 +285,8 @@ def _resolve_profile(options: CompileOptions, graph: StepGraph, table: NodeTable
         link = options.link or (hardware.link if hardware else None)
         if link is None:
             link = measure_link(device) if device.type == "cuda" else get_hardware("cpu").link
-        profile = measure_profile(graph, table, inputs, link, ProfileOptions(options.profile_mode), budget)
+        profile = measure_profile(graph, table, inputs, link, ProfileOptions(options.profile_mode), budget,
+                                  in_core_peak_bytes(graph))
     else:
         raise InvalidProfile(
             f"profile={options.profile!r}: pass 'measure', 'analytic', a Profile or the path of a saved profile")
@@ -342,10 +343,10 @@ def _plan_captured(step: _Captured, model: nn.Module, mem_limit: int | InCoreSha
     profile = _resolve_profile(options, graph, table, pair_inputs, device, mem_limit - reserve)
     del pair_inputs
     costs = profile.costs(graph)
-    name = options.planner
+    name, planner = resolve_planner(options.planner)
     try:
         with stage(f"planning with {name} ({len(graph.activations)} activations)"):
-            candidate = get_planner(name)(Problem(graph, costs, mem_limit - reserve))
+            candidate = planner(Problem(graph, costs, mem_limit - reserve))
     except InfeasibleMemoryLimit as e:
         if not reserve:
             raise
@@ -400,7 +401,7 @@ def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, plan
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"model must be a torch.nn.Module, got {type(model).__name__}")
     parse_limit(mem_limit)  # a malformed limit fails before anything else
-    get_planner(planner)  # fail fast on an unknown name
+    resolve_planner(planner)  # fail fast on an unknown name
     args, kwargs = _split_example(example_input)
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModel("the model has no parameters that require grad: there is no training step "
@@ -420,7 +421,7 @@ def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, plan
     return limit, args, kwargs
 
 
-def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "local",
+def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str | Planner = "local",
          profile: str | Profile | os.PathLike = "analytic", hardware: str | Hardware | None = None,
          link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None) -> Plan:
     """Plan without running anything: works on a model and inputs on the ``meta`` device.
@@ -436,7 +437,7 @@ def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner:
                       CompileOptions(planner, profile, hardware, link, profile_mode, margin)).plan
 
 
-def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "local",
+def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str | Planner = "local",
             profile: str | Profile | os.PathLike = "measure", hardware: str | Hardware | None = None,
             link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None,
             host_pool_limit: int | str | None = None, max_plans: int = 8) -> CompiledModule:

@@ -13,7 +13,8 @@ from ..errors import InfeasibleMemoryLimit
 from ..graph import StepGraph
 from ..schedule import (Decision, Kind, NotRecomputable, Schedule, build_schedule, can_recompute, member_owner,
                         move_prefetches)
-from ..simulator import Costs, Timeline, simulate, static_memory
+from ..simulator import Timeline, simulate, static_memory
+from ..types import Costs
 
 log = logging.getLogger("fxpooch.planner")
 
