@@ -77,7 +77,7 @@ def test_plan_prints_the_plan_and_writes_trace_and_svg(tmp_path, capsys):
     first = capsys.readouterr()
     assert "planned peak" in first.out and "relu (graph 0, module 1):" in first.out and "why:" in first.out
     assert "fxpooch." in first.err  # -v: INFO lines of the fxpooch loggers
-    trace, svg = out / "mlp-pooch.trace.json", out / "mlp-pooch.svg"
+    trace, svg = out / "mlp-local.trace.json", out / "mlp-local.svg"
     assert json.loads(trace.read_text())["traceEvents"]
     assert svg.read_text().startswith("<svg")
     assert f"wrote {trace}" in first.out and f"wrote {svg}" in first.out

@@ -26,7 +26,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("inspect", {"whatif", "report", "explain", "svg", "trace"}),
     ("passes", {"passes", "passes.meta", "passes.offload", "passes.swapin", "passes.rewrite"}),
     ("runtime", {"runtime"}),
-    ("api", {"api"}),
+    ("api", {"options", "pipeline", "api"}),
     ("entry points", {"demo", "__main__", "__init__"}),
 ]
 

@@ -21,6 +21,9 @@ log = logging.getLogger("fxpooch.planner")
 
 @dataclass(frozen=True)
 class Problem:
+    """What a planner sees: the step's graph (integer ids only), its costs (``op_time[OpId]``,
+    ``d2h_time[ActivationId]``, ...), and the device bytes its plan must fit."""
+
     graph: StepGraph
     costs: Costs
     mem_limit: int
