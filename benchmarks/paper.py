@@ -37,15 +37,12 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # a checkout wi
 from fxpooch.models import MODELS  # noqa: E402
 
 from fxpooch import _torch_compat as compat  # noqa: E402
-from fxpooch.capture import Recorder, capture_step  # noqa: E402
 from fxpooch.errors import InfeasibleMemoryLimit  # noqa: E402
-from fxpooch.graph import StepGraph, build_step_graph  # noqa: E402
 from fxpooch.hardware import get_hardware  # noqa: E402
-from fxpooch.memory import MemoryModel  # noqa: E402
-from fxpooch.planners import Problem, get_planner  # noqa: E402
-from fxpooch.profile import analytic_profile  # noqa: E402
+from fxpooch.pipeline import TracedStep, plan_graph, profile_step, trace_step  # noqa: E402
+from fxpooch.profile import Profile  # noqa: E402
 from fxpooch.schedule import Decision, build_schedule  # noqa: E402
-from fxpooch.simulator import Costs, simulate  # noqa: E402
+from fxpooch.simulator import simulate  # noqa: E402
 
 log = logging.getLogger("fxpooch.bench.paper")
 
@@ -102,39 +99,32 @@ def points(quick: bool) -> list[Point]:
 
 
 # -- capture (main process) ----------------------------------------------------------------
-def capture(point: Point) -> tuple[StepGraph, dict[str, Costs]]:
-    """Trace one training step on meta tensors; analytic costs for every preset."""
+def capture(point: Point) -> tuple[TracedStep, dict[str, Profile]]:
+    """Trace one training step on meta tensors; analytic profiles for every preset."""
     spec = MODELS[point.model]
     with torch.device("meta"):
         model = spec.build()
         x = spec.make_input(point.batch, **point.params)
-    memory = MemoryModel.for_device("meta")
-    recorder = Recorder()
-    compiled = torch.compile(model, backend=recorder.backend, dynamic=False)
-    with compat.dynamo_limits():
-        pairs, inputs = capture_step(compiled, recorder, model, (x,), {})
-    del inputs
-    resident = memory.resident_bytes([*model.parameters(), *model.buffers(), x])
-    graph, table = build_step_graph(pairs, memory, resident)
-    costs = {p: analytic_profile(graph, table, get_hardware(p)).costs(graph) for p in PRESETS}
-    torch._dynamo.reset()
-    return graph, costs
+    step = trace_step(model, (x,), undo_copies=False)  # the bare step, as the paper plans it
+    profiles = {p: profile_step(step, "analytic", hardware=p) for p in PRESETS}
+    compat.reset_compile_caches()
+    return step, profiles
 
 
 # -- planning (forked workers, time-boxed) -------------------------------------------------
-def _plan(conn, graph: StepGraph, costs: Costs, limit: int, planner: str) -> None:
+def _plan(conn, step: TracedStep, profile: Profile, limit: int, planner: str) -> None:
     """Worker body: plan, send a plain dict back."""
     cpu0, wall0 = time.process_time(), time.perf_counter()
     out: dict = {}
     try:
-        cand = get_planner(planner)(Problem(graph, costs, limit))
+        plan = plan_graph(step.graph, step.table, profile, limit, planner=planner)
         counts = {d.value: 0 for d in Decision}
         large = dict(counts)
-        for d, act in zip(cand.decisions, graph.activations):
+        for d, act in zip(plan.schedule.decisions, step.graph.activations):
             counts[d.value] += 1
             if act.transfer_bytes >= FEATURE_MAP_BYTES:
                 large[d.value] += 1
-        out = {"status": "ok", "step_time": cand.step_time, "peak_bytes": cand.timeline.peak_bytes,
+        out = {"status": "ok", "step_time": plan.step_time, "peak_bytes": plan.peak_bytes,
                "counts": counts, "counts_feature_maps": large}
     except InfeasibleMemoryLimit as e:
         out = {"status": "fails", "min_feasible_bytes": e.min_feasible_bytes}
@@ -156,8 +146,8 @@ class Runner:
         self.running: dict[tuple, tuple] = {}  # key -> (process, conn, started)
         self.results: dict[tuple, dict] = {}
 
-    def submit(self, key: tuple, graph: StepGraph, costs: Costs, limit: int, planner: str) -> None:
-        self.queue.append((key, (graph, costs, limit, planner)))
+    def submit(self, key: tuple, step: TracedStep, profile: Profile, limit: int, planner: str) -> None:
+        self.queue.append((key, (step, profile, limit, planner)))
         self.poll()
 
     def poll(self) -> None:
@@ -197,17 +187,18 @@ def run(quick: bool, workers: int, timeout: float) -> dict:
     t0 = time.perf_counter()
     for point in points(quick):
         c0 = time.perf_counter()
-        graph, costs = capture(point)
+        step, profiles = capture(point)
+        graph = step.graph
         info = {"label": point.label, "model": point.model, "batch": point.batch, "params": point.params,
                 "figures": list(point.figures), "ops": len(graph.ops), "activations": len(graph.activations),
                 "feature_maps": sum(a.transfer_bytes >= FEATURE_MAP_BYTES for a in graph.activations),
                 "capture_s": time.perf_counter() - c0, "in_core": {}}
         keep = build_schedule(graph, [Decision.KEEP] * len(graph.activations))
         for p in PRESETS:
-            tl = simulate(graph, keep, costs[p])
+            tl = simulate(graph, keep, profiles[p].costs(graph))
             info["in_core"][p] = {"step_time": tl.step_time, "peak_bytes": tl.peak_bytes}
             for planner in point.planners:
-                runner.submit((point.label, p, planner), graph, costs[p], limit[p], planner)
+                runner.submit((point.label, p, planner), step, profiles[p], limit[p], planner)
         meta.append(info)
         log.info("captured %s in %.1f s (%d ops)", point.label, info["capture_s"], info["ops"])
         runner.poll()

@@ -34,9 +34,9 @@ import planners_sweep  # noqa: E402
 
 import fxpooch  # noqa: E402
 from fxpooch.errors import InfeasibleMemoryLimit  # noqa: E402
-from fxpooch.planners import PLANNERS, Evaluator, Problem  # noqa: E402
+from fxpooch.pipeline import problem_of  # noqa: E402
+from fxpooch.planners import PLANNERS, Evaluator  # noqa: E402
 from fxpooch.planners.bounds import lower_bound  # noqa: E402
-from fxpooch.planners.search import plan_exact  # noqa: E402
 
 FRACTIONS = (1 / 2, 1 / 3, 1 / 4)
 #: the exact search proves the optimum in seconds up to here on these models (see search.py)
@@ -72,23 +72,22 @@ def run(models, presets, planners) -> list[dict]:
             t0 = time.perf_counter()
             base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
             capture_s = time.perf_counter() - t0
-            graph, costs = base.graph, base.profile.costs(base.graph)
+            graph = base.graph
             print(f"{name} b{batch} on {hw}: {len(graph.ops)} ops, {len(graph.activations)} activations, "
                   f"captured in {capture_s:.1f} s", file=sys.stderr)
             for frac in FRACTIONS:
-                prob = Problem(graph, costs, int(base.in_core_peak_bytes * frac))
+                limit = int(base.in_core_peak_bytes * frac)
                 row = {"model": name, "batch": batch, "hardware": hw, "fraction": round(frac, 3),
                        "ops": len(graph.ops), "activations": len(graph.activations)}
                 for p in planners:
                     t0 = time.process_time()
                     try:
-                        c = PLANNERS[p](prob)
-                        row[p] = c.step_time / base.in_core_time
+                        row[p] = fxpooch.replan(base, planner=p, mem_limit=limit).step_time / base.in_core_time
                     except InfeasibleMemoryLimit:
                         row[p] = None
                     row[f"{p}_s"] = time.process_time() - t0
                 t0 = time.process_time()
-                bound = lower_bound(Evaluator(prob))
+                bound = lower_bound(Evaluator(problem_of(base, limit)))
                 row["bound_s"] = time.process_time() - t0
                 row["no_plan_fits"] = bound == math.inf  # the bound proves it
                 row["bound"] = None if row["no_plan_fits"] else bound / base.in_core_time
@@ -96,7 +95,7 @@ def run(models, presets, planners) -> list[dict]:
                 if len(graph.activations) <= EXACT_UP_TO:
                     t0 = time.process_time()
                     try:
-                        row["optimum"] = plan_exact(prob).step_time / base.in_core_time
+                        row["optimum"] = fxpooch.replan(base, planner="exact", mem_limit=limit).step_time / base.in_core_time
                     except InfeasibleMemoryLimit:
                         pass
                     row["optimum_s"] = time.process_time() - t0

@@ -25,7 +25,9 @@ from tabulate import tabulate
 import fxpooch
 from fxpooch import models as zoo
 from fxpooch.errors import InfeasibleMemoryLimit
-from fxpooch.planners import PLANNERS, Evaluator, Problem
+from fxpooch.pipeline import problem_of
+from fxpooch.plan import Plan
+from fxpooch.planners import Evaluator
 from fxpooch.planners.bounds import lower_bound
 from fxpooch.planners.lp import lp_lower_bound
 
@@ -71,18 +73,19 @@ def models(quick: bool):
         yield f"test:{name}", test_zoo.ZOO[name]
 
 
-def plan_row(prob: Problem, in_core_time: float) -> dict:
+def plan_row(base: Plan, limit: int) -> dict:
     row: dict = {}
+    in_core_time = base.in_core_time
     for p in PLANNERS_COMPARED:
         t0 = time.process_time()
         try:
-            row[p] = PLANNERS[p](prob).step_time / in_core_time
+            row[p] = fxpooch.replan(base, planner=p, mem_limit=limit).step_time / in_core_time
         except InfeasibleMemoryLimit:
             row[p] = None
         row[f"{p}_s"] = time.process_time() - t0
     t0 = time.process_time()
-    lp = len(prob.graph.activations) <= LP_UP_TO
-    bound = (lp_lower_bound if lp else lower_bound)(Evaluator(prob))
+    lp = len(base.graph.activations) <= LP_UP_TO
+    bound = (lp_lower_bound if lp else lower_bound)(Evaluator(problem_of(base, limit)))
     row["bound_kind"] = "lp" if lp else "cut"
     row["bound_s"] = time.process_time() - t0
     row["bound"] = None if bound == math.inf else bound / in_core_time
@@ -104,8 +107,8 @@ def run(quick: bool) -> list[dict]:
         for hw in presets:
             t0 = time.process_time()
             base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
-            graph, costs = base.graph, base.profile.costs(base.graph)
-            floor = Evaluator(Problem(graph, costs, base.in_core_peak_bytes)).floor().timeline.static_peak_bytes
+            graph = base.graph
+            floor = Evaluator(problem_of(base, base.in_core_peak_bytes)).floor().timeline.static_peak_bytes
             print(f"{name} on {hw}: {len(graph.ops)} ops, {len(graph.activations)} activations, floor "
                   f"{floor / base.in_core_peak_bytes:.2f} of in-core (captured in {time.process_time() - t0:.1f} CPU s)",
                   file=sys.stderr, flush=True)
@@ -114,7 +117,7 @@ def run(quick: bool) -> list[dict]:
                 row = {"model": name, "hardware": hw, "point": point, "limit": limit,
                        "fraction": limit / base.in_core_peak_bytes, "ops": len(graph.ops),
                        "activations": len(graph.activations)}
-                row.update(plan_row(Problem(graph, costs, limit), base.in_core_time))
+                row.update(plan_row(base, limit))
                 rows.append(row)
     return rows
 

@@ -2,6 +2,9 @@
 
     cm = fxpooch.compile(model, example_input, mem_limit="16GiB")
     loss = loss_fn(cm(x)); loss.backward(); opt.step()
+
+The stages, one call each (see :mod:`fxpooch.pipeline`): ``trace_step`` -> ``profile_step`` ->
+``plan_graph`` -> ``Plan``; ``replan`` plans a Plan's graph again for another planner or limit.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from .errors import (FxpoochError, HostPoolExhausted, InfeasibleMemoryLimit, Inv
 from .memory import Margin
 from .hardware import PRESETS as HARDWARE_PRESETS
 from .hardware import Hardware, Link
+from .pipeline import TracedStep, plan_graph, profile_step, replan, trace_step
 from .plan import Plan
 from .planners import PLANNERS
 from .profile import Profile
@@ -21,5 +25,6 @@ __version__ = "0.1.0"
 __all__ = [
     "HARDWARE_PRESETS", "PLANNERS", "CompileOptions", "CompiledModule", "FxpoochError", "Hardware",
     "HostPoolExhausted", "InfeasibleMemoryLimit", "Margin", "InvalidMemoryLimit", "InvalidOption", "InvalidProfile", "Link", "Plan", "Profile",
-    "PendingBackward", "ReplanLimitExceeded", "UnknownName", "UnsupportedModel", "compile", "plan",
+    "PendingBackward", "ReplanLimitExceeded", "TracedStep", "UnknownName", "UnsupportedModel", "compile", "plan",
+    "plan_graph", "profile_step", "replan", "trace_step",
 ]

@@ -174,26 +174,6 @@ def in_core_plan(args: argparse.Namespace) -> tuple[Base, str]:
     return Base(base, device, default_margin(device, args.hardware)), label
 
 
-def replan(base: Base, planner: str, limit: int) -> Any:
-    """Run ``planner`` on ``base``'s graph and costs (no new capture) and return its Plan, with the
-    allocator margin ``compile`` would keep under ``limit`` on that device."""
-    from .plan import activation_names
-    from .planners import Problem, get_planner
-
-    graph, reserve = base.plan.graph, base.margin.of(limit)
-    try:
-        candidate = get_planner(planner)(Problem(graph, base.plan.profile.costs(graph), limit - reserve))
-    except InfeasibleMemoryLimit as e:
-        if not reserve:
-            raise
-        raise InfeasibleMemoryLimit(limit, base.margin.limit_for(e.min_feasible_bytes), e.live, e.planner,
-                                    margin_bytes=reserve) from None
-    return dataclasses.replace(
-        base.plan, planner=planner, mem_limit=limit, peak_bytes=candidate.timeline.peak_bytes,
-        step_time=candidate.step_time, schedule=candidate.schedule, timeline=candidate.timeline,
-        decisions={n: d.value for n, d in zip(activation_names(graph), candidate.decisions)}, margin_bytes=reserve)
-
-
 def write_outputs(plan: Any, out_dir: str | os.PathLike, stem: str) -> tuple[Path, Path]:
     """The Chrome trace and the memory SVG of ``plan`` under ``out_dir``."""
     from .svg import memory_svg
@@ -209,6 +189,7 @@ def write_outputs(plan: Any, out_dir: str | os.PathLike, stem: str) -> tuple[Pat
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from .pipeline import replan
     from .planners import get_planner
 
     get_planner(args.planner)
@@ -216,7 +197,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     base, label = in_core_plan(args)
     limit = resolve_cli_limit(args, base)
     with stage(f"planning {label} with {args.planner}"):
-        plan = replan(base, args.planner, limit)
+        plan = replan(base.plan, planner=args.planner, mem_limit=limit, margin=base.margin)
     for name in args.explain or ():
         plan.indices(name)  # an unknown name fails before the table
     if args.save_profile:
@@ -235,6 +216,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
+    from .pipeline import replan
     from .planners import PLANNERS
     from .units import format_bytes
 
@@ -249,7 +231,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         try:
             with stage(f"planning with {name}"):
-                p = replan(base, name, limit)
+                p = replan(base.plan, planner=name, mem_limit=limit, margin=base.margin)
         except Exception as e:  # one planner failing must not end the comparison
             infeasible += isinstance(e, InfeasibleMemoryLimit)
             if isinstance(e, InfeasibleMemoryLimit):

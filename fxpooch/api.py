@@ -1,7 +1,6 @@
 """``fxpooch.compile``: capture -> profile -> plan -> rewrite -> run, one plan per input shape."""
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import weakref
@@ -13,73 +12,23 @@ import torch
 import torch.nn as nn
 
 from . import _torch_compat as compat
+from .capture import GraphPair, Recorder, StepSnapshot, UnplannedGraph
 from .debug import dump_graphs
-from .capture import GraphPair, Recorder, StepSnapshot, UnplannedGraph, capture_step
-from .errors import (InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidOption, InvalidProfile, PendingBackward,
-                     ReplanLimitExceeded, UnsupportedModel)
-from .graph import NodeTable, StepGraph, build_step_graph
-from .hardware import Hardware, Link, get_hardware
-from .limits import default_margin, resolve_limit
-from .memory import Margin, MemoryModel
-from .plan import Plan, activation_meta, activation_names, module_paths
-from .planners import Problem, get_planner
-from .profile import Profile, ProfileOptions, analytic_profile, in_core_peak_bytes, measure_link, measure_profile
-from .progress import stage
+from .errors import InvalidMemoryLimit, PendingBackward, ReplanLimitExceeded, UnsupportedModel
+from .graph import NodeTable, StepGraph
+from .hardware import Hardware, Link
+from .limits import resolve_limit
+from .memory import Margin
+from .options import CompileOptions
+from .pipeline import TracedStep, compile_entry, grad_state, plan_graph, profile_step, trace_step
+from .plan import Plan
+from .planners import Planner, resolve_planner
+from .profile import Profile
 from .runtime import HostPool, using_pool
-from .schedule import build_schedule
-from .simulator import simulate
+from .simulator import in_core_peak_bytes
 from .units import InCoreShare, parse_bytes, parse_limit
 
 log = logging.getLogger("fxpooch.compile")
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    """How to profile, plan and run.
-
-    ``profile``: "measure" (CUDA events / CPU timer), "analytic" (roofline of ``hardware``), a
-    :class:`Profile`, or a path to a saved one. ``profile_mode`` (when measuring): "in-situ",
-    "per-node", or "auto" (in situ when the in-core step fits under the limit, else each node
-    alone). ``margin``: device memory kept out of the plan for the allocator's fragmentation, a
-    :class:`~fxpooch.memory.Margin`, bytes, or None: 5% of the limit on CUDA, 0 on CPU and meta.
-    ``host_pool_limit``: bytes the pinned pool of host copies may hold (None: the host memory
-    available when compiling; a plan needing more is warned about); exceeding it raises
-    :class:`~fxpooch.errors.HostPoolExhausted`. ``max_plans``: how many plans (one per set of
-    graphs dynamo compiles for a step, input signature and gradient state) a compiled module makes
-    before it raises :class:`~fxpooch.errors.ReplanLimitExceeded`. A bad ``margin``,
-    ``host_pool_limit``, ``max_plans`` or profile path is reported here, before anything runs.
-    """
-
-    planner: str = "local"
-    profile: str | Profile | os.PathLike = "measure"
-    hardware: str | Hardware | None = None  # analytic costs and the default link
-    link: Link | None = None  # overrides the hardware's link
-    profile_mode: str = "auto"
-    margin: Margin | int | str | None = None
-    host_pool_limit: int | str | None = None
-    max_plans: int = 8
-
-    def __post_init__(self) -> None:
-        ProfileOptions(self.profile_mode)  # fail fast on an unknown mode
-        self.margin_for(torch.device("cpu"))  # ... and on a malformed margin or host_pool_limit
-        if not isinstance(self.profile, Profile) and self.profile not in ("analytic", "measure") \
-                and not (isinstance(self.profile, (str, os.PathLike)) and os.path.exists(self.profile)):
-            raise InvalidProfile(f"profile={self.profile!r}: no such file; pass 'measure', 'analytic', a Profile "
-                                 "or the path of a saved profile")
-        if self.host_pool_limit is not None:
-            parse_bytes(self.host_pool_limit, "host_pool_limit")
-        if isinstance(self.max_plans, bool) or not isinstance(self.max_plans, int) or self.max_plans < 1:
-            raise InvalidOption(f"max_plans={self.max_plans!r}: pass a whole number of plans, at least 1")
-
-    def margin_for(self, device: torch.device) -> Margin:
-        if self.margin is None:
-            return default_margin(device, self.hardware)
-        if isinstance(self.margin, Margin):
-            return self.margin
-        return Margin() if self.margin in (0, "0") else Margin(nbytes=parse_bytes(self.margin, "margin"))
-
-
-_entries = itertools.count()
 
 
 def _guards_on_own_effects(cause: str) -> UnsupportedModel:
@@ -88,11 +37,6 @@ def _guards_on_own_effects(cause: str) -> UnsupportedModel:
         "that dynamo specialises on (it appends to a list, increments a counter, ...), so no plan can be made "
         "before the graph runs. Keep such state out of the compiled forward (wrap the function that changes it "
         "in torch.compiler.disable), or make it a tensor")
-
-
-def _compile_entry(model: nn.Module, recorder: Recorder) -> Any:
-    entry = compat.fresh_entry(model, f"fxpooch_step_{next(_entries)}")
-    return torch.compile(entry, backend=recorder.backend, dynamic=False)
 
 
 def _split_example(example_input: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -119,20 +63,8 @@ def _modes(model: nn.Module) -> tuple[bool, ...]:
     return tuple(m.training for m in model.modules())
 
 
-def _grad_state(model: nn.Module) -> tuple[bool, ...]:
-    """Which parameters already hold a ``.grad`` (gradient accumulation keeps them resident)."""
-    return tuple(p.grad is not None for p in model.parameters())
-
-
 def _autocast_state() -> tuple:
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda"))
-
-
-def _step_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
-    for t in [*model.parameters(), *compat.tree_leaves((args, kwargs))]:
-        if isinstance(t, torch.Tensor):
-            return t.device
-    return torch.device("cpu")
 
 
 class CompiledModule(nn.Module):
@@ -151,7 +83,7 @@ class CompiledModule(nn.Module):
         self.mem_limit = mem_limit
         self.options = options
         self._recorder = Recorder()
-        self._compiled = _compile_entry(model, self._recorder)
+        self._compiled = compile_entry(model, self._recorder)
         self._plans: dict[tuple, _Planned] = {}  # (graph pairs of the step, gradient state) -> plan
         self._predicted: dict[tuple, tuple] = {}  # what the Python side sees -> plan key last used for it
         self._current: _Planned | None = None
@@ -195,8 +127,8 @@ class CompiledModule(nn.Module):
             with compat.dynamo_limits():
                 return self._compiled(*args, **kwargs)
         self._check_previous_backward()
-        grads = _grad_state(self.model)
-        seen_as = (_modes(self.model), _signature(args, kwargs), grads, _autocast_state())
+        grads = grad_state(self.model)
+        seen_as = self._seen_as(args, kwargs, grads)
         planned = self._plans.get(self._predicted.get(seen_as))
         if planned is None:
             planned = self._replan(args, kwargs, "a new input signature, module mode, autocast or gradient state")
@@ -221,6 +153,16 @@ class CompiledModule(nn.Module):
             self._note_step(planned, out)
             return out
         raise ReplanLimitExceeded(len(self._plans), "the step kept running graphs of no plan")
+
+    def _seen_as(self, args: tuple, kwargs: dict, grads: tuple[bool, ...]) -> tuple:
+        """What the Python side sees of a step: a plan is looked up by it before any graph runs."""
+        return _modes(self.model), _signature(args, kwargs), grads, _autocast_state()
+
+    def _prepare(self, args: tuple, kwargs: dict) -> None:
+        """Plan (or find the plan of) a step with these inputs and bind it, without running it."""
+        planned = self._replan(args, kwargs, "compile")
+        self._predicted[self._seen_as(args, kwargs, planned.grads)] = planned.key
+        self._use(planned)
 
     def _check_previous_backward(self) -> None:
         """A second forward while the previous one's backward is still to run would hold both steps'
@@ -251,7 +193,8 @@ class CompiledModule(nn.Module):
 
     def _replan(self, args: tuple, kwargs: dict, cause: str) -> _Planned:
         """The plan of the graphs this step runs: a cached one if its graphs were planned already."""
-        step = _capture(self._compiled, self._recorder, self.model, args, kwargs)
+        # Step 1, trace: capture the step through this module's dynamo entry
+        step = trace_step(self.model, args, kwargs, compiled=self._compiled, recorder=self._recorder)
         known = self._plans.get(step.key)
         if known is not None:
             return known
@@ -262,105 +205,22 @@ class CompiledModule(nn.Module):
             log.warning("planning again, with a new capture and profile (%d plans so far, compiled.replans = %d): "
                         "%s. Inputs of many different shapes, e.g. variable-length batches, should be padded to "
                         "a few fixed shapes", len(self._plans), self.replans, cause)
-        planned = _plan_captured(step, self.model, self.mem_limit, self.options)
+        planned = _Planned.of(_profile_and_plan(step, self.mem_limit, self.options), step)
         self.host_pool.check_plan(planned.plan.host_bytes)
         self._plans[planned.key] = planned
         return planned
 
 
-def _resolve_profile(options: CompileOptions, graph: StepGraph, table: NodeTable, inputs: list,
-                     device: torch.device, budget: int) -> Profile:
-    hardware = options.hardware
-    if isinstance(hardware, str):
-        hardware = get_hardware(hardware)
-    if isinstance(options.profile, Profile):
-        profile = options.profile
-    elif options.profile not in ("analytic", "measure") and isinstance(options.profile, (str, os.PathLike)) \
-            and os.path.exists(options.profile):
-        profile = Profile.load(options.profile)
-    elif options.profile == "analytic" or device.type == "meta":
-        hw = hardware or get_hardware("cpu" if device.type == "cpu" else "h100-pcie5")
-        profile = analytic_profile(graph, table, hw)
-    elif options.profile == "measure":
-        link = options.link or (hardware.link if hardware else None)
-        if link is None:
-            link = measure_link(device) if device.type == "cuda" else get_hardware("cpu").link
-        profile = measure_profile(graph, table, inputs, link, ProfileOptions(options.profile_mode), budget)
-    else:
-        raise InvalidProfile(
-            f"profile={options.profile!r}: pass 'measure', 'analytic', a Profile or the path of a saved profile")
-    return profile.with_link(options.link) if options.link else profile
-
-
-@dataclass
-class _Captured:
-    """One captured step, not yet profiled or planned."""
-
-    pairs: list[GraphPair]
-    inputs: list[list[Any]]
-    changed_buffers: list[tuple[nn.Module, str]]
-    grads: tuple[bool, ...]
-    device: torch.device
-    resident: list[torch.Tensor]
-
-    @property
-    def key(self) -> tuple:
-        return tuple(self.pairs), self.grads
-
-
-def _capture(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple, kwargs: dict) -> _Captured:
-    changed: list[tuple[nn.Module, str]] = []
-    with compat.dynamo_limits(), stage("capturing the training step"):
-        pairs, inputs = capture_step(compiled, recorder, model, args, kwargs, changed)
-    # resident through the step: parameters, buffers, existing gradients (accumulated into), inputs,
-    # and the copies of the buffers the forward changes (kept to undo a step that an unplanned graph stops)
-    resident = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
-                *(t for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
-    copies = [torch.empty_like(mod._buffers[name]) for mod, name in changed]
-    return _Captured(pairs, inputs, changed, _grad_state(model), _step_device(model, args, kwargs),
-                     resident + copies)
-
-
-def _make_plan(compiled: Any, recorder: Recorder, model: nn.Module, args: tuple, kwargs: dict,
-               mem_limit: int | InCoreShare, options: CompileOptions) -> _Planned:
-    """Capture one step, profile it, plan it. Nothing is rewritten or bound yet."""
-    return _plan_captured(_capture(compiled, recorder, model, args, kwargs), model, mem_limit, options)
-
-
-def _plan_captured(step: _Captured, model: nn.Module, mem_limit: int | InCoreShare,
-                   options: CompileOptions) -> _Planned:
-    device, pairs = step.device, step.pairs
-    memory = MemoryModel.for_device(device)
-    resident = memory.resident_bytes(step.resident)
-    step.resident = []
-    graph, table = build_step_graph(pairs, memory, resident)
+def _profile_and_plan(step: TracedStep, mem_limit: int | InCoreShare, options: CompileOptions) -> Plan:
+    """Steps 2 and 3 of the pipeline for a traced step (Step 1: :func:`~fxpooch.pipeline.trace_step`)."""
     if isinstance(mem_limit, InCoreShare):  # "60%": of this step's in-core peak
-        mem_limit = mem_limit.of(in_core_peak_bytes(graph))
-    margin = options.margin_for(device)
-    reserve = margin.of(mem_limit)
-    pair_inputs, step.inputs = step.inputs, []
-    profile = _resolve_profile(options, graph, table, pair_inputs, device, mem_limit - reserve)
-    del pair_inputs
-    costs = profile.costs(graph)
-    name = options.planner
-    try:
-        with stage(f"planning with {name} ({len(graph.activations)} activations)"):
-            candidate = get_planner(name)(Problem(graph, costs, mem_limit - reserve))
-    except InfeasibleMemoryLimit as e:
-        if not reserve:
-            raise
-        raise InfeasibleMemoryLimit(mem_limit, margin.limit_for(e.min_feasible_bytes), e.live, e.planner,
-                                    margin_bytes=reserve) from None
-    in_core = simulate(graph, build_schedule(graph, [d.KEEP for d in candidate.decisions]), costs)
-    plan = Plan(
-        planner=name, mem_limit=mem_limit, peak_bytes=candidate.timeline.peak_bytes,
-        step_time=candidate.step_time, in_core_time=in_core.step_time, in_core_peak_bytes=in_core.peak_bytes,
-        decisions={n: d.value for n, d in zip(activation_names(graph), candidate.decisions)},
-        graph=graph, schedule=candidate.schedule, timeline=candidate.timeline, profile=profile,
-        activation_meta=activation_meta(graph, table), margin_bytes=reserve, module_paths=module_paths(graph, table),
-    )
-    log.info("planned with %s: peak %d bytes (limit %d), %s", name, plan.peak_bytes, mem_limit, plan.counts())
-    return _Planned(plan, graph, table, pairs, step.changed_buffers, step.grads)
+        mem_limit = mem_limit.of(in_core_peak_bytes(step.graph))
+    margin = options.margin_for(step.device)
+    # Step 2, profile: seconds per op (measured under the limit less the margin, or analytic)
+    profile = profile_step(step, options.profile_source, hardware=options.hardware, link=options.link,
+                           mode=options.profile_mode, mem_limit=mem_limit - margin.of(mem_limit))
+    # Step 3, plan: keep / swap / recompute per activation, simulated
+    return plan_graph(step.graph, step.table, profile, mem_limit, planner=options.planner, margin=margin)
 
 
 @dataclass
@@ -372,6 +232,10 @@ class _Planned:
     changed_buffers: list[tuple[nn.Module, str]]
     grads: tuple[bool, ...]
     rewritten: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] | None = None
+
+    @classmethod
+    def of(cls, plan: Plan, step: TracedStep) -> _Planned:
+        return cls(plan, step.graph, step.table, step.pairs, step.changed_buffers, step.grads)
 
     @property
     def key(self) -> tuple:
@@ -395,12 +259,12 @@ class _Planned:
             pair.bind(forward, backward)
 
 
-def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, planner: str,
+def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, planner: str | Planner,
                 hardware: str | Hardware | None = None):
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"model must be a torch.nn.Module, got {type(model).__name__}")
     parse_limit(mem_limit)  # a malformed limit fails before anything else
-    get_planner(planner)  # fail fast on an unknown name
+    resolve_planner(planner)  # fail fast on an unknown name
     args, kwargs = _split_example(example_input)
     if not any(p.requires_grad for p in model.parameters()):
         raise UnsupportedModel("the model has no parameters that require grad: there is no training step "
@@ -420,7 +284,7 @@ def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, plan
     return limit, args, kwargs
 
 
-def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "local",
+def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str | Planner = "local",
          profile: str | Profile | os.PathLike = "analytic", hardware: str | Hardware | None = None,
          link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None) -> Plan:
     """Plan without running anything: works on a model and inputs on the ``meta`` device.
@@ -430,13 +294,12 @@ def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner:
     The other arguments are as in :func:`compile` (see :class:`CompileOptions`).
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
-    recorder = Recorder()
-    compiled = _compile_entry(model, recorder)
-    return _make_plan(compiled, recorder, model, args, kwargs, limit,
-                      CompileOptions(planner, profile, hardware, link, profile_mode, margin)).plan
+    options = CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link,
+                             profile_mode=profile_mode, margin=margin)
+    return _profile_and_plan(trace_step(model, args, kwargs), limit, options)
 
 
-def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str = "local",
+def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str | Planner = "local",
             profile: str | Profile | os.PathLike = "measure", hardware: str | Hardware | None = None,
             link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None,
             host_pool_limit: int | str | None = None, max_plans: int = 8) -> CompiledModule:
@@ -453,9 +316,8 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
     :class:`CompileOptions`.
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
-    options = CompileOptions(planner, profile, hardware, link, profile_mode, margin, host_pool_limit, max_plans)
+    options = CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link, profile_mode=profile_mode,
+                             margin=margin, host_pool_limit=host_pool_limit, max_plans=max_plans)
     compiled = CompiledModule(model, limit, options)
-    planned = compiled._replan(args, kwargs, "compile")
-    compiled._predicted[(_modes(model), _signature(args, kwargs), planned.grads, _autocast_state())] = planned.key
-    compiled._use(planned)
+    compiled._prepare(args, kwargs)
     return compiled

@@ -31,8 +31,7 @@ from .errors import InvalidProfile
 from .graph import NodeTable, StepGraph
 from .hardware import Hardware, Link, LinkCalibration
 from .progress import stage
-from .schedule import Decision, build_schedule
-from .simulator import Costs, simulate
+from .types import Costs
 
 log = logging.getLogger("fxpooch.profile")
 
@@ -179,18 +178,11 @@ class ProfileOptions:
             raise InvalidProfile(f"profile repeats must be >= 1, got {self.repeats}")
 
 
-def in_core_peak_bytes(graph: StepGraph) -> int:
-    """Device bytes of the step with every activation kept (resident included), from the graph alone."""
-    keep = build_schedule(graph, [Decision.KEEP] * len(graph.activations))
-    zero = tuple(0.0 for _ in graph.ops)
-    none = tuple(0.0 for _ in graph.activations)
-    return simulate(graph, keep, Costs(zero, none, none)).static_peak_bytes
-
-
-def choose_mode(graph: StepGraph, mem_limit: int, device: torch.device) -> str:
-    """"in-situ" when the in-core step fits under ``mem_limit`` (and, on CUDA, in the free device
-    memory), else "per-node"."""
-    peak = in_core_peak_bytes(graph)
+def choose_mode(graph: StepGraph, in_core_peak: int, mem_limit: int, device: torch.device) -> str:
+    """"in-situ" when the in-core step (``in_core_peak`` bytes, resident included:
+    :func:`fxpooch.simulator.in_core_peak_bytes`) fits under ``mem_limit`` (and, on CUDA, in the
+    free device memory), else "per-node"."""
+    peak = in_core_peak
     fits = peak <= mem_limit
     if fits and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -202,20 +194,22 @@ def choose_mode(graph: StepGraph, mem_limit: int, device: torch.device) -> str:
 
 
 def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[list[Any]], link: Link,
-                    options: ProfileOptions = ProfileOptions(), mem_limit: int | None = None) -> Profile:
+                    options: ProfileOptions = ProfileOptions(), mem_limit: int | None = None,
+                    in_core_peak: int | None = None) -> Profile:
     """Time every node of every captured graph pair (the least of ``options.repeats``: other
     load on the machine only ever adds time, so the minimum is the least disturbed figure).
 
     ``example_args`` (the captured inputs of each pair) are read in situ only; "auto" needs
-    ``mem_limit``.
+    ``mem_limit`` and the step's ``in_core_peak`` bytes (:func:`fxpooch.simulator.in_core_peak_bytes`).
     """
     device = _device_of(table, example_args)
     on_cuda = device.type == "cuda"
     mode = options.mode
     if mode == "auto":
-        if mem_limit is None:
-            raise InvalidProfile("profile mode 'auto' needs the memory limit; pass mem_limit or a mode")
-        mode = choose_mode(graph, mem_limit, device)
+        if mem_limit is None or in_core_peak is None:
+            raise InvalidProfile("profile mode 'auto' needs the memory limit and the in-core peak; pass "
+                                 "mem_limit and in_core_peak, or a mode")
+        mode = choose_mode(graph, in_core_peak, mem_limit, device)
     clock = _cuda_clock if on_cuda else _cpu_clock
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .graph import BufferKind, Phase, StepGraph
+from .types import ActivationId, BufferId, InstanceId, OpId
 
 
 class Decision(str, enum.Enum):
@@ -32,24 +33,24 @@ class Kind(str, enum.Enum):
 
 class Instr(NamedTuple):
     kind: Kind
-    op: int = -1  # RUN / RECOMPUTE
-    act: int = -1  # OFFLOAD / PREFETCH / WAIT / RECOMPUTE
-    allocs: tuple[int, ...] = ()  # instance ids
-    reads: tuple[int, ...] = ()
+    op: OpId = OpId(-1)  # RUN / RECOMPUTE
+    act: ActivationId = ActivationId(-1)  # OFFLOAD / PREFETCH / WAIT / RECOMPUTE
+    allocs: tuple[InstanceId, ...] = ()
+    reads: tuple[InstanceId, ...] = ()
 
 
 @dataclass(frozen=True)
 class Schedule:
     decisions: tuple[Decision, ...]  # per activation
-    prefetch_before: tuple[int, ...]  # per activation: backward op the prefetch precedes (-1: none)
+    prefetch_before: tuple[OpId, ...]  # per activation: backward op the prefetch precedes (-1: none)
     instrs: tuple[Instr, ...]
     instance_bytes: tuple[int, ...]
-    instance_buffer: tuple[int, ...]
+    instance_buffer: tuple[BufferId, ...]
     persistent: tuple[bool, ...]  # instance lives until the step ends
     last_reader: tuple[int, ...]  # per instance: instruction index (its own alloc if never read)
     first_alloc: tuple[int, ...]  # per instance: the instruction that allocates it (-1: none)
-    chains: dict[int, tuple[int, ...]]  # activation whose recompute is emitted -> forward ops run again
-    first_use: dict[int, int]  # swapped/recomputed activation -> first backward op needing it
+    chains: dict[ActivationId, tuple[OpId, ...]]  # activation whose recompute is emitted -> forward ops run again
+    first_use: dict[ActivationId, OpId]  # swapped/recomputed activation -> first backward op needing it
     #: activation whose recompute is emitted -> the recomputed activations it makes available
     #: (itself first; with ``share``, also those its chain rebuilds whole, as checkpointing does)
     materialises: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -61,12 +62,12 @@ class NotRecomputable(Exception):
     """Internal: an activation's recompute chain reaches something unavailable or unsafe."""
 
 
-def member_owner(graph: StepGraph) -> dict[int, int]:
+def member_owner(graph: StepGraph) -> dict[int, ActivationId]:
     return {m: a for a, act in enumerate(graph.activations) for m in act.members}
 
 
-def recompute_chain(graph: StepGraph, a: int, decisions: Sequence[Decision],
-                    owner: dict[int, int] | None = None) -> tuple[int, ...]:
+def recompute_chain(graph: StepGraph, a: ActivationId, decisions: Sequence[Decision],
+                    owner: dict[int, ActivationId] | None = None) -> tuple[OpId, ...]:
     """Forward ops (program order) that rebuild activation ``a`` from values the backward has.
 
     Raises NotRecomputable if the chain needs an unsaved input or an op that is random or mutates.
@@ -75,8 +76,8 @@ def recompute_chain(graph: StepGraph, a: int, decisions: Sequence[Decision],
     return tuple(sorted(chain_ops(graph, a, lambda b: decisions[b] is Decision.RECOMPUTE, owner)))
 
 
-def chain_ops(graph: StepGraph, a: int, recomputed: Callable[[int], bool], owner: dict[int, int],
-              strict: bool = True) -> set[int]:
+def chain_ops(graph: StepGraph, a: ActivationId, recomputed: Callable[[ActivationId], bool],
+              owner: dict[int, ActivationId], strict: bool = True) -> set[OpId]:
     """The forward ops reached from ``a``'s members through saved values of activations for which
     ``recomputed(activation)`` holds. ``strict``: raise NotRecomputable at an unsaved input or a
     random or mutating op; otherwise stop there."""
@@ -101,7 +102,7 @@ def chain_ops(graph: StepGraph, a: int, recomputed: Callable[[int], bool], owner
     return chain
 
 
-def can_recompute(graph: StepGraph, a: int, decisions: Sequence[Decision], owner=None) -> bool:
+def can_recompute(graph: StepGraph, a: ActivationId, decisions: Sequence[Decision], owner=None) -> bool:
     try:
         recompute_chain(graph, a, decisions, owner)
     except NotRecomputable:
@@ -110,7 +111,7 @@ def can_recompute(graph: StepGraph, a: int, decisions: Sequence[Decision], owner
 
 
 def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
-                   prefetch_before: Sequence[int] | None = None, share: bool = True) -> Schedule:
+                   prefetch_before: Sequence[OpId] | None = None, share: bool = True) -> Schedule:
     """Lay out the step for ``decisions``; prefetches default to just before their first use.
 
     Recomputes run just before their activation's first backward reader, in that order. With
@@ -290,7 +291,7 @@ def _forward_runs(graph: StepGraph) -> dict[int, Instr]:
     return cached[1]
 
 
-def move_prefetches(schedule: Schedule, prefetch_before: Sequence[int]) -> Schedule:
+def move_prefetches(schedule: Schedule, prefetch_before: Sequence[OpId]) -> Schedule:
     """``schedule`` with each swap-in issued before ``prefetch_before[a]`` instead (not later
     than its first use): what :func:`build_schedule` lays out for those positions, without
     laying out the rest of the step again."""

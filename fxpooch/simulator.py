@@ -16,27 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .graph import StepGraph
-from .schedule import Decision, Kind, Schedule
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Seconds per op and per activation transfer, aligned with a StepGraph's ids."""
-
-    op_time: tuple[float, ...]
-    d2h_time: tuple[float, ...]
-    h2d_time: tuple[float, ...]
-    #: copies run on the compute stream, in program order (a CPU host: ``Link.on_compute_stream``)
-    serial_copies: bool = False
-
-
-@dataclass(frozen=True)
-class Event:
-    lane: str  # "compute", "d2h", "h2d"
-    name: str
-    start: float
-    end: float
-    kind: Kind
+from .schedule import Decision, Kind, Schedule, build_schedule
+from .types import Costs
 
 
 @dataclass(frozen=True)
@@ -163,3 +144,11 @@ def static_memory(schedule: Schedule) -> np.ndarray:
     delta = np.bincount(alloc[live], nbytes[live], minlength=n + 1) - np.bincount(
         frees[freed], nbytes[freed], minlength=n + 1)
     return np.cumsum(delta[:n]).astype(np.int64)
+
+
+def in_core_peak_bytes(graph: StepGraph) -> int:
+    """Device bytes of the step with every activation kept (resident included), from the graph alone."""
+    keep = build_schedule(graph, [Decision.KEEP] * len(graph.activations))
+    zero = tuple(0.0 for _ in graph.ops)
+    none = tuple(0.0 for _ in graph.activations)
+    return simulate(graph, keep, Costs(zero, none, none)).static_peak_bytes

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fxpooch.trace")
 
 PID = 1
-#: lane -> (tid, label); the simulator's Event.lane names
+#: lane -> (tid, label): the timeline's lanes
 LANES = {"compute": (1, "compute"), "d2h": (2, "D2H (offload)"), "h2d": (3, "H2D (prefetch)")}
 MEMORY_COUNTER = "device memory"
 LIMIT_COUNTER = "memory limit"

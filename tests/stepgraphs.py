@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from zoo import MiB
 
 from fxpooch.graph import Activation, Buffer, BufferKind, Op, Phase, StepGraph
-from fxpooch.simulator import Costs
+from fxpooch.types import Costs
 
 __all__ = ["MiB", "RELU", "RELU_BW", "CONV", "CONV_BW", "build", "chain"]
 

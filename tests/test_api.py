@@ -153,3 +153,31 @@ def test_unknown_planner_lists_choices():
     model, x = ZOO["mlp"]()
     with pytest.raises(fxpooch.UnknownName, match="pooch"):
         fxpooch.compile(model, x, "1GiB", planner="nope")
+
+
+def test_stage_functions_make_the_plan_plan_makes_and_replan_equals_planning_anew():
+    model, x = ZOO["cnn_bn"]()
+    whole = fxpooch.plan(model, x, "60%", planner="pooch", margin=0, **ANALYTIC)
+    step = fxpooch.trace_step(model, (x,))
+    profile = fxpooch.profile_step(step, **ANALYTIC)
+    staged = fxpooch.plan_graph(step.graph, step.table, profile, whole.mem_limit, planner="pooch")
+    assert staged.decisions == whole.decisions and staged.schedule == whole.schedule
+    assert (staged.peak_bytes, staged.step_time) == (whole.peak_bytes, whole.step_time)
+    # the same graph and costs under another planner and limit: as if planned so from the start
+    limit = (whole.in_core_peak_bytes + whole.mem_limit) // 2
+    again = fxpooch.replan(staged, planner="swap-all", mem_limit=limit)
+    anew = fxpooch.plan_graph(step.graph, step.table, profile, limit, planner="swap-all")
+    assert again.planner == "swap-all" and again.mem_limit == limit
+    assert again.decisions == anew.decisions and again.timeline == anew.timeline
+    assert again.in_core_time == staged.in_core_time
+
+
+def test_compile_options_are_keyword_only_and_checked_when_built(tmp_path):
+    with pytest.raises(TypeError):
+        fxpooch.CompileOptions("local")  # noqa: the planner by position
+    with pytest.raises(fxpooch.UnknownName, match="pooch"):
+        fxpooch.CompileOptions(planner="poch")
+    with pytest.raises(fxpooch.UnknownName):
+        fxpooch.CompileOptions(hardware="tpu")
+    with pytest.raises(fxpooch.InvalidProfile, match="no such file"):
+        fxpooch.CompileOptions(profile=str(tmp_path / "typo.json"))

@@ -10,11 +10,12 @@ import torch.nn as nn
 
 import fxpooch
 from fxpooch import _torch_compat as compat
-from fxpooch import api, runtime
+from fxpooch import pipeline, runtime
 from fxpooch.capture import FrugalForward, Recorder, capture_step
 from fxpooch.errors import HostPoolExhausted
 from fxpooch.memory import Margin
-from fxpooch.profile import ProfileOptions, in_core_peak_bytes, measure_profile
+from fxpooch.profile import ProfileOptions, measure_profile
+from fxpooch.simulator import in_core_peak_bytes
 from measure import HOST_OPS, counting_graphs, measured_step_peak
 from memcount import LiveStorageCounter
 from zoo import MiB, mlp
@@ -61,7 +62,7 @@ def test_capture_does_not_hold_the_activations():
     recorder = Recorder()
     counter = LiveStorageCounter(host_ops=HOST_OPS)
     with counting_graphs(counter) as ran, compat.dynamo_limits():
-        pairs, _ = capture_step(api._compile_entry(model, recorder), recorder, model, (x,), {})
+        pairs, _ = capture_step(pipeline.compile_entry(model, recorder), recorder, model, (x,), {})
     assert ran == ["forward0"]
     # the forward's largest few live values (4 MiB each), not its 16 saved activations
     assert counter.peak_bytes <= 3 * 4 * MiB, counter.peak_bytes
@@ -74,7 +75,7 @@ def test_frugal_forward_returns_real_user_outputs_and_zero_byte_stand_ins():
     model, x = deep_mlp(layers=2)
     recorder = Recorder()
     with compat.dynamo_limits():
-        (pair,), (args,) = capture_step(api._compile_entry(model, recorder), recorder, model, (x,), {})
+        (pair,), (args,) = capture_step(pipeline.compile_entry(model, recorder), recorder, model, (x,), {})
     with torch.no_grad():
         outs = FrugalForward(pair)(list(args))
         real = pair.forward(*args)

@@ -3,26 +3,20 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 import torch.nn as nn
 
 import fxpooch
-from fxpooch.planners import PLANNERS, Evaluator, register
+from fxpooch.planners import Evaluator
 from fxpooch.schedule import Decision
 
 FIXED: dict[str, str] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fixed_planner():
-    @register("test-fixed")
-    def fixed(problem):
-        ev = Evaluator(problem)
-        return ev.evaluate([Decision(FIXED.get(a.name, "keep")) for a in problem.graph.activations])
-
-    yield
-    PLANNERS.pop("test-fixed")
+def fixed(problem):
+    """The decisions in FIXED (keep for the rest): a planner passed as a function, not registered."""
+    ev = Evaluator(problem)
+    return ev.evaluate([Decision(FIXED.get(a.name, "keep")) for a in problem.graph.activations])
 
 
 def compile_mlp(decisions: dict[str, str]) -> fxpooch.CompiledModule:
@@ -30,7 +24,7 @@ def compile_mlp(decisions: dict[str, str]) -> fxpooch.CompiledModule:
     FIXED.update(decisions)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-    return fxpooch.compile(m, torch.randn(4, 8), "1GiB", planner="test-fixed", profile="analytic",
+    return fxpooch.compile(m, torch.randn(4, 8), "1GiB", planner=fixed, profile="analytic",
                            hardware="v100-pcie3")
 
 
@@ -155,7 +149,7 @@ def test_random_ops_are_not_recomputed():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 8))
     FIXED.clear()
-    cm = fxpooch.compile(m, torch.randn(4, 8), "1GiB", planner="test-fixed", profile="analytic",
+    cm = fxpooch.compile(m, torch.randn(4, 8), "1GiB", planner=fixed, profile="analytic",
                          hardware="v100-pcie3")
     ev = Evaluator(fxpooch.planners.Problem(cm.plan.graph, cm.plan.profile.costs(cm.plan.graph), 2**40))
     recomputable = {a.name: ev.can_recompute(i, ev.all_keep()) for i, a in enumerate(cm.plan.graph.activations)}

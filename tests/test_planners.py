@@ -23,7 +23,8 @@ from fxpooch.planners.baselines import (checkpoint_decisions, previous_convoluti
 from fxpooch.planners.common import Evaluator
 from fxpooch.planners.pooch import overhead_sets, step2_swap_to_recompute
 from fxpooch.schedule import Decision, build_schedule
-from fxpooch.simulator import Costs, simulate
+from fxpooch.simulator import simulate
+from fxpooch.types import Costs
 from stepgraphs import CONV, RELU, MiB, build, chain
 
 K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE

@@ -22,7 +22,7 @@ from ..errors import InfeasibleMemoryLimit
 from ..graph import StepGraph
 from ..schedule import Decision, NotRecomputable, build_schedule, move_prefetches
 from ..simulator import simulate
-from . import register
+from .registry import register
 from .common import Candidate, Evaluator, Problem, live_at_peak
 
 log = logging.getLogger("fxpooch.planner.baselines")

@@ -13,13 +13,17 @@ from ..errors import InfeasibleMemoryLimit
 from ..graph import StepGraph
 from ..schedule import (Decision, Kind, NotRecomputable, Schedule, build_schedule, can_recompute, member_owner,
                         move_prefetches)
-from ..simulator import Costs, Timeline, simulate, static_memory
+from ..simulator import Timeline, simulate, static_memory
+from ..types import Costs
 
 log = logging.getLogger("fxpooch.planner")
 
 
 @dataclass(frozen=True)
 class Problem:
+    """What a planner sees: the step's graph (integer ids only), its costs (``op_time[OpId]``,
+    ``d2h_time[ActivationId]``, ...), and the device bytes its plan must fit."""
+
     graph: StepGraph
     costs: Costs
     mem_limit: int

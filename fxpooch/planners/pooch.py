@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..graph import StepGraph
 from ..schedule import Decision, NotRecomputable, recompute_chain
 from ..simulator import Timeline
-from . import register
+from .registry import register
 from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget
 
 log = logging.getLogger("fxpooch.planner.pooch")

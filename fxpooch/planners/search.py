@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import FxpoochError, InfeasibleMemoryLimit
 from ..schedule import Decision
-from . import register
+from .registry import register
 from .baselines import checkpoint_decisions
 from .bounds import Bounds
 from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget

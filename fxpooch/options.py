@@ -1,0 +1,82 @@
+"""``CompileOptions``: how to profile, plan and run, checked and resolved when built."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InvalidOption, InvalidProfile
+from .hardware import Hardware, Link, get_hardware
+from .limits import default_margin
+from .memory import Margin
+from .planners import Planner, resolve_planner
+from .profile import Profile, ProfileOptions
+from .units import parse_bytes
+
+#: the profile sources named by a string
+PROFILE_KINDS = ("analytic", "measure")
+
+
+def resolve_profile_source(profile: str | Profile | os.PathLike) -> str | Profile:
+    """``"analytic"``, ``"measure"`` or a :class:`Profile` (a path is loaded now); anything else raises
+    :class:`~fxpooch.errors.InvalidProfile`."""
+    if isinstance(profile, Profile) or profile in PROFILE_KINDS:
+        return profile
+    if isinstance(profile, (str, os.PathLike)) and os.path.exists(profile):
+        return Profile.load(profile)
+    raise InvalidProfile(f"profile={profile!r}: no such file; pass 'measure', 'analytic', a Profile "
+                         "or the path of a saved profile")
+
+
+def resolve_hardware(hardware: str | Hardware | None) -> Hardware | None:
+    """A preset name as its :class:`Hardware` (an unknown one raises :class:`~fxpooch.errors.UnknownName`)."""
+    return get_hardware(hardware) if isinstance(hardware, str) else hardware
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """How to profile, plan and run; built by keyword.
+
+    ``planner``: a registered name (``fxpooch.PLANNERS``) or a function ``Problem -> Candidate``.
+    ``profile``: "measure" (CUDA events / CPU timer), "analytic" (roofline of ``hardware``), a
+    :class:`Profile`, or a path to a saved one (loaded here). ``profile_mode`` (when measuring): "in-situ",
+    "per-node", or "auto" (in situ when the in-core step fits under the limit, else each node
+    alone). ``margin``: device memory kept out of the plan for the allocator's fragmentation, a
+    :class:`~fxpooch.memory.Margin`, bytes, or None: 5% of the limit on CUDA, 0 on CPU and meta.
+    ``host_pool_limit``: bytes the pinned pool of host copies may hold (None: the host memory
+    available when compiling; a plan needing more is warned about); exceeding it raises
+    :class:`~fxpooch.errors.HostPoolExhausted`. ``max_plans``: how many plans (one per set of
+    graphs dynamo compiles for a step, input signature and gradient state) a compiled module makes
+    before it raises :class:`~fxpooch.errors.ReplanLimitExceeded`. A bad planner, hardware preset,
+    ``margin``, ``host_pool_limit``, ``max_plans`` or profile path is reported here, before anything runs.
+    """
+
+    planner: str | Planner = "local"
+    profile: str | Profile | os.PathLike = "measure"
+    hardware: str | Hardware | None = None  # analytic costs and the default link
+    link: Link | None = None  # overrides the hardware's link
+    profile_mode: str = "auto"
+    margin: Margin | int | str | None = None
+    host_pool_limit: int | str | None = None
+    max_plans: int = 8
+    #: ``profile`` resolved: "analytic", "measure" or a Profile
+    profile_source: str | Profile = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        resolve_planner(self.planner)  # fail fast on an unknown name
+        resolve_hardware(self.hardware)  # ... an unknown preset
+        ProfileOptions(self.profile_mode)  # ... an unknown mode
+        self.margin_for(torch.device("cpu"))  # ... a malformed margin
+        object.__setattr__(self, "profile_source", resolve_profile_source(self.profile))
+        if self.host_pool_limit is not None:
+            parse_bytes(self.host_pool_limit, "host_pool_limit")
+        if isinstance(self.max_plans, bool) or not isinstance(self.max_plans, int) or self.max_plans < 1:
+            raise InvalidOption(f"max_plans={self.max_plans!r}: pass a whole number of plans, at least 1")
+
+    def margin_for(self, device: torch.device) -> Margin:
+        if self.margin is None:
+            return default_margin(device, self.hardware)
+        if isinstance(self.margin, Margin):
+            return self.margin
+        return Margin() if self.margin in (0, "0") else Margin(nbytes=parse_bytes(self.margin, "margin"))
