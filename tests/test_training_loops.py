@@ -7,7 +7,9 @@ whole forward + backward (:class:`measure.StepCounter`, which dynamo does not fa
 for) plus the resident storages (parameters, buffers, existing gradients, inputs) is at most the
 limit. Capture, profiling and re-planning inside a step are measured too. Optimizer state is not
 part of a step (it is resident between steps and not counted by fxpooch's plan), so the
-measurement covers forward + backward only.
+measurement covers forward + backward only. The compiled module returns the loss (:class:`WithLoss`),
+as the training-loop contract asks for a planned step: a loss computed outside it is user memory
+the plan cannot see (test_a_loss_outside_the_compiled_module_costs_its_temporaries measures that).
 
 TOLERANCE: the measured peak may exceed the limit by at most 2% (none of these scenarios needs
 it today; it covers allocator-level differences between torch versions).
@@ -223,6 +225,17 @@ def make(scenario: Scenario) -> tuple[nn.Module, tuple]:
         return scenario.build()
 
 
+class WithLoss(nn.Module):
+    """``loss_of(model(...))`` as one module, so the loss is part of the compiled (planned) step."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        return loss_of(self.model(*args, **kwargs))
+
+
 def call(m, args):
     if len(args) == 1 and isinstance(args[0], dict):
         return m(**args[0])
@@ -245,7 +258,8 @@ def limits(name: str) -> tuple[int, int]:
         if scenario.accumulate > 1:
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
-        plan = fxpooch.compile(model, args[0] if isinstance(args[0], dict) else args, "1TiB", **ANALYTIC).plan
+        plan = fxpooch.compile(WithLoss(model), args[0] if isinstance(args[0], dict) else args, "1TiB",
+                               **ANALYTIC).plan
         with pytest.raises(fxpooch.InfeasibleMemoryLimit) as info:
             get_planner(plan.planner)(Problem(plan.graph, plan.profile.costs(plan.graph), 1))
         _limits[name] = (plan.in_core_peak_bytes, info.value.min_feasible_bytes)
@@ -267,7 +281,7 @@ def train(name: str, limit: int) -> list[float]:
     scenario = SCENARIOS[name]
     model, args = make(scenario)
     eager = copy.deepcopy(model)
-    cm = fxpooch.compile(model, args[0] if isinstance(args[0], dict) else args, limit, **ANALYTIC)
+    cm = fxpooch.compile(WithLoss(model), args[0] if isinstance(args[0], dict) else args, limit, **ANALYTIC)
     opt, ref_opt = scenario.optimizer(model.parameters()), scenario.optimizer(eager.parameters())
     ratios = []
     for i in range(scenario.steps):
@@ -276,14 +290,15 @@ def train(name: str, limit: int) -> list[float]:
             scenario.change(eager, i)
         step_args = scenario.inputs(args, i)
 
-        def run(m):
+        def run(m, with_loss: bool):
             with scenario.context(i):
                 torch.manual_seed(i)
-                loss = loss_of(call(m, step_args))
+                out = call(m, step_args)
+                loss = out if with_loss else loss_of(out)
             loss.backward()
 
-        ratios.append(measured_peak(model, step_args, lambda: run(cm)) / limit)
-        run(eager)
+        ratios.append(measured_peak(model, step_args, lambda: run(cm, True)) / limit)
+        run(eager, False)
         for (n, p), q in zip(model.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, **scenario.tol, msg=lambda m, n=n: f"step {i}: grad of {n}: {m}")
         if (i + 1) % scenario.accumulate == 0:
@@ -401,7 +416,7 @@ def test_a_failed_call_keeps_no_inputs():
 def test_in_situ_profiling_at_the_in_core_limit_stays_under_it():
     """Compiling at the in-core peak (profiled in situ) and re-planning for a new batch inside training."""
     model, (x,) = make(SCENARIOS["noncontiguous_input"])
-    in_core, _ = limits("noncontiguous_input")
+    in_core = fxpooch.plan(model, x, "1TiB", **ANALYTIC).in_core_peak_bytes  # the model's own, without a loss
     compiled = {}
 
     def compile_step():
@@ -482,3 +497,26 @@ def test_a_model_dynamo_runs_eagerly_is_named_so(tmp_path):
         assert "Compile the inner module" in str(info.value)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_loss_outside_the_compiled_module_costs_its_temporaries():
+    """The README's boundary contract: with the model's output handed a dense gradient the whole step
+    peaks at the plan's peak to the byte; a square-mean loss computed outside the compiled module
+    adds its own temporaries, at most 3 output-sized buffers beyond the planned gradient."""
+    model, (x,) = make(Scenario(lambda: (Chain(), (rand(BATCH, WIDTH),))))
+    in_core = fxpooch.plan(model, x, "1TiB", **ANALYTIC).in_core_peak_bytes
+    cm = fxpooch.compile(model, x, int(0.6 * in_core), **ANALYTIC)
+    out_bytes = BATCH * WIDTH * 4
+
+    def dense_gradient():
+        out = cm(x)
+        out.backward(torch.ones_like(out))
+
+    def loss_outside():
+        cm(x).square().mean().backward()
+
+    planned = cm.plan.static_peak_bytes
+    assert measured_peak(model, (x,), dense_gradient) == planned
+    model.zero_grad()
+    outside = measured_peak(model, (x,), loss_outside)
+    assert outside <= planned + 3 * out_bytes, (planned, outside)
