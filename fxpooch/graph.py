@@ -31,8 +31,13 @@ class Phase(str, enum.Enum):
 class BufferKind(str, enum.Enum):
     RESIDENT = "resident"  # parameters, buffers, inputs: exist before the step (counted once)
     TEMP = "temp"  # freed after its last reader
-    OUTPUT = "output"  # user outputs and gradients: live until the step ends
-    TANGENT = "tangent"  # incoming output gradients: allocated when their backward starts
+    #: user outputs and gradients: live until the step ends (the caller may hold the output through
+    #: the backward; one it drops earlier only lowers the real peak)
+    OUTPUT = "output"
+    #: incoming output gradients: allocated when their backward starts and held by autograd for the
+    #: whole backward call (a gradient AOTAutograd has to copy to the traced layout, e.g. the
+    #: expanded one of ``out.sum()``, dies at its last reader instead: again only lower)
+    TANGENT = "tangent"
 
 
 @dataclass(frozen=True)
