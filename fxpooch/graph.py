@@ -149,12 +149,9 @@ class NodeTable:
 
 
 def _vals(node: fx.Node) -> list[torch.Tensor]:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
+    """The tensors a node's value holds, nested ones included (a higher-order op such as
+    ``run_with_rng_state`` returns its op's outputs as a tuple inside its own)."""
+    return [v for v in compat.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
 
 
 def _target_name(node: fx.Node) -> str:
