@@ -19,6 +19,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from .hardware import Hardware
+from .memory import UNBACKED_SIZE_FALLBACK, size_hint as _hint  # noqa: F401 (UNBACKED_SIZE_FALLBACK: re-exported)
 from .opkind import is_kernel_free
 from . import _torch_compat as compat
 from ._torch_compat import OpOverload, tree_leaves, tree_map
@@ -27,27 +28,7 @@ __all__ = ["is_kernel_free", "node_flops", "node_bytes", "analytic_time", "tenso
 
 log = logging.getLogger("fxpooch.costmodel")
 
-# Size assumed for a data-dependent (unbacked) SymInt that has no hint; the same default as
-# torch._inductor.config.unbacked_symint_fallback.
-UNBACKED_SIZE_FALLBACK = 8192
-
 # --------------------------------------------------------------------------- tensor helpers
-
-def _hint(value: Any) -> Any:
-    """A concrete int for a SymInt (no guards added); other values unchanged.
-
-    Unbacked (data-dependent) sizes have no hint and become ``UNBACKED_SIZE_FALLBACK``.
-    """
-    if isinstance(value, torch.SymInt):
-        from torch.fx.experimental import symbolic_shapes
-
-        hint_fn = getattr(symbolic_shapes, "optimization_hint", None)  # torch >= 2.13
-        if hint_fn is not None:
-            return int(hint_fn(value, fallback=UNBACKED_SIZE_FALLBACK))
-        hint = value.node.hint  # older torch: the backing SymNode's recorded hint
-        return UNBACKED_SIZE_FALLBACK if hint is None else int(hint)
-    return value
-
 
 def tensor_nbytes(t: torch.Tensor) -> int:
     """``numel * element_size`` of ``t``, with symbolic sizes replaced by their hints."""

@@ -31,8 +31,13 @@ class Phase(str, enum.Enum):
 class BufferKind(str, enum.Enum):
     RESIDENT = "resident"  # parameters, buffers, inputs: exist before the step (counted once)
     TEMP = "temp"  # freed after its last reader
-    OUTPUT = "output"  # user outputs and gradients: live until the step ends
-    TANGENT = "tangent"  # incoming output gradients: allocated when their backward starts
+    #: user outputs and gradients: live until the step ends (the caller may hold the output through
+    #: the backward; one it drops earlier only lowers the real peak)
+    OUTPUT = "output"
+    #: incoming output gradients: allocated when their backward starts and held by autograd for the
+    #: whole backward call (a gradient AOTAutograd has to copy to the traced layout, e.g. the
+    #: expanded one of ``out.sum()``, dies at its last reader instead: again only lower)
+    TANGENT = "tangent"
 
 
 @dataclass(frozen=True)
@@ -144,12 +149,9 @@ class NodeTable:
 
 
 def _vals(node: fx.Node) -> list[torch.Tensor]:
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
+    """The tensors a node's value holds, nested ones included (a higher-order op such as
+    ``run_with_rng_state`` returns its op's outputs as a tuple inside its own)."""
+    return [v for v in compat.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
 
 
 def _target_name(node: fx.Node) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +21,29 @@ CUDA_ALLOCATOR_ALIGNMENT = 512
 #: reserved bytes. 5% is a starting figure, not a measured one: benchmarks/gpu.py records
 #: reserved next to allocated peaks so it can be checked and tuned with ``margin``.
 CUDA_FRAGMENTATION_SHARE = 0.05
+
+
+# Size assumed for a data-dependent (unbacked) SymInt that has no hint; the same default as
+# torch._inductor.config.unbacked_symint_fallback.
+UNBACKED_SIZE_FALLBACK = 8192
+
+
+def size_hint(value: Any) -> Any:
+    """A concrete int for a SymInt (no guards added); other values unchanged.
+
+    A traced size such as the RNG state that ``torch.utils.checkpoint`` saves for a random op
+    (``run_and_save_rng_state``) is symbolic with the traced run's value as its hint. Unbacked
+    (data-dependent) sizes have no hint and become ``UNBACKED_SIZE_FALLBACK``.
+    """
+    if isinstance(value, torch.SymInt):
+        from torch.fx.experimental import symbolic_shapes
+
+        hint_fn = getattr(symbolic_shapes, "optimization_hint", None)  # torch >= 2.13
+        if hint_fn is not None:
+            return int(hint_fn(value, fallback=UNBACKED_SIZE_FALLBACK))
+        hint = value.node.hint  # older torch: the backing SymNode's recorded hint
+        return UNBACKED_SIZE_FALLBACK if hint is None else int(hint)
+    return value
 
 
 @dataclass(frozen=True)
@@ -80,11 +104,11 @@ class MemoryModel:
 
     def tensor_bytes(self, t: torch.Tensor) -> int:
         """Bytes of the elements a tensor spans (what a copy of it moves and allocates)."""
-        return self.round(t.numel() * t.element_size())
+        return self.round(size_hint(t.numel()) * t.element_size())
 
     def storage_bytes(self, t: torch.Tensor) -> int:
         """Bytes of the whole storage behind ``t`` (shared by all its views)."""
-        return self.round(t.untyped_storage().nbytes())
+        return self.round(size_hint(t.untyped_storage().nbytes()))
 
     def resident_bytes(self, tensors: Iterable[torch.Tensor]) -> int:
         """Bytes of the distinct storages of ``tensors`` (parameters, buffers, inputs)."""

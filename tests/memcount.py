@@ -144,6 +144,11 @@ class LiveStorageCounter(TorchDispatchMode):
     they are freed later.
     """
 
+    #: higher-order operators (the RNG-state ops torch.utils.checkpoint puts around a random op)
+    #: come to ``__torch_dispatch__`` too and run as one op: their outputs are counted, what they
+    #: allocate and free inside is not seen
+    supports_higher_order_operators = True
+
     def __init__(self, host_ops: Iterable[str] = (), *, record_events: bool = False) -> None:
         super().__init__()
         self.host_ops: frozenset[str] = frozenset(host_ops)
