@@ -24,7 +24,7 @@ from .pipeline import TracedStep, compile_entry, grad_state, plan_graph, profile
 from .plan import Plan
 from .planners import Planner, resolve_planner
 from .profile import Profile
-from .runtime import HostPool, using_pool
+from .runtime import HostPool, Runtime
 from .simulator import in_core_peak_bytes
 from .units import InCoreShare, parse_bytes, parse_limit
 
@@ -92,6 +92,8 @@ class CompiledModule(nn.Module):
         self._pending: tuple[GraphPair, int, list[weakref.ref]] | None = None
         limit = options.host_pool_limit
         self.host_pool = HostPool() if limit is None else HostPool(limit_bytes=parse_bytes(limit, "host_pool_limit"))
+        #: the host pool, slot table and streams the planned graphs' ops run on, entered around each graph call
+        self.runtime = self._recorder.runtime = Runtime(self.host_pool)
 
     # -- public inspection -----------------------------------------------------------------
     @property
@@ -137,7 +139,7 @@ class CompiledModule(nn.Module):
             self._use(planned)
             snapshot = StepSnapshot(planned.changed_buffers, (args, kwargs))
             try:
-                with using_pool(self.host_pool), compat.dynamo_limits(), self._recorder.running_plan(planned.pairs):
+                with compat.dynamo_limits(), self._recorder.running_plan(planned.pairs):
                     out = self._compiled(*args, **kwargs)
             except UnplannedGraph as e:
                 snapshot.restore()

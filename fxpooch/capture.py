@@ -45,6 +45,8 @@ class GraphPair:
         default=None, repr=False)
     #: how many times the backward has run (a step's backward has run once its first pair's has)
     backward_calls: int = field(default=0, init=False)
+    #: entered around each forward and backward call: the runtime state its ops run on
+    runtime: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext, repr=False)
 
     def __post_init__(self) -> None:
         self.bind(_boxed_copy(self.forward), _boxed_copy(self.backward))
@@ -55,11 +57,13 @@ class GraphPair:
 
     def call_forward(self, args: list[Any]) -> Any:
         runner = self.on_run(self, args) if self.on_run is not None else None
-        return (runner or self.run_forward)(args)
+        with self.runtime():
+            return (runner or self.run_forward)(args)
 
     def call_backward(self, args: list[Any]) -> Any:
         self.backward_calls += 1
-        return self.run_backward(args)
+        with self.runtime():
+            return self.run_backward(args)
 
     @property
     def saved_nodes(self) -> list[fx.Node]:
@@ -187,6 +191,8 @@ class Recorder:
     """The dynamo backend: records each graph pair and checks that a step runs only planned pairs."""
 
     def __init__(self) -> None:
+        #: entered (``runtime.entered()``) around each call of a pair's forward or backward; None: nothing
+        self.runtime: Any = None
         self.pairs: list[GraphPair] = []
         self.ran: list[GraphPair] | None = None
         self.args: list[list[Any]] = []  # inputs of each pair in ``ran`` (kept for profiling)
@@ -199,7 +205,8 @@ class Recorder:
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         fw, bw = compat.default_partition(joint, joint_inputs, **kwargs)
         save_all_primals(fw, bw, kwargs["num_fwd_outputs"])
-        pair = GraphPair(len(self.pairs), fw, bw, kwargs["num_fwd_outputs"], on_run=self._note_run)
+        pair = GraphPair(len(self.pairs), fw, bw, kwargs["num_fwd_outputs"], on_run=self._note_run,
+                         runtime=self._runtime)
         # the index, not the pair: AOTAutograd deep-copies the backward module (meta included)
         # before compiling it lazily, and the pair must stay the one object that runs
         fw.meta[_PAIR_KEY] = bw.meta[_PAIR_KEY] = pair.index
@@ -210,6 +217,9 @@ class Recorder:
         log.debug("captured graph pair %d: %d forward nodes, %d backward nodes, %d saved (%s)",
                   pair.index, len(fw.graph.nodes), len(bw.graph.nodes), len(pair.saved_nodes), self.causes[pair])
         return fw, bw
+
+    def _runtime(self) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if self.runtime is None else self.runtime.entered()
 
     def _fw_compiler(self, gm: fx.GraphModule, example_inputs: Any):
         index = gm.meta.get(_PAIR_KEY)

@@ -1,8 +1,9 @@
 """Forward pass: offload swapped activations after their producer; drop recomputed ones.
 
-The forward still returns one value per saved slot (AOTAutograd's contract), but a swapped
-slot now holds the host copy (``fxpooch.offload``) and a recomputed slot an empty tensor
-(``fxpooch.drop``), so the device storage dies at its last forward use.
+The forward still returns one value per saved output (AOTAutograd's contract), but a swapped
+one now holds the host copy (``fxpooch.offload(x, slot)``, the slot from :mod:`.slots`) and a
+recomputed one an empty tensor (``fxpooch.drop``), so the device storage dies at its last
+forward use.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .meta import META_KEY
 
 
 def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTable,
-                    schedule: Schedule) -> fx.GraphModule:
+                    schedule: Schedule, slots: dict[int, int]) -> fx.GraphModule:
     """A new forward GraphModule for graph ``g`` with offload / drop nodes inserted."""
     new_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -29,14 +30,16 @@ def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTab
             continue
         members = [env[table.nodes[m]] for m in act.members]
         anchor = env[table.nodes[max(act.members)]]
-        op = torch.ops.fxpooch.offload.default if decision is Decision.SWAP else torch.ops.fxpooch.drop.default
-        prefix = "offload" if decision is Decision.SWAP else "drop"
+        swap = decision is Decision.SWAP
+        op = torch.ops.fxpooch.offload.default if swap else torch.ops.fxpooch.drop.default
+        prefix = "offload" if swap else "drop"
         with new_graph.inserting_after(anchor):
             for i in reversed(range(len(members))):
-                if act.same_as[i] != i and decision is Decision.SWAP:
+                if act.same_as[i] != i and swap:
                     continue  # the same layout as an earlier member: one copy serves both
                 member = members[i]
-                node = new_graph.create_node("call_function", op, (member,), name=f"{prefix}_{member.name}")
+                args = (member, slots[act.members[i]]) if swap else (member,)
+                node = new_graph.create_node("call_function", op, args, name=f"{prefix}_{member.name}")
                 node.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
                 replace[member] = node
         for i, member in enumerate(members):

@@ -9,6 +9,7 @@ from fxpooch.graph import NodeTable, StepGraph
 from fxpooch.schedule import Schedule
 
 from .offload import rewrite_forward
+from .slots import swap_slots
 from .swapin import rewrite_backward
 
 
@@ -20,7 +21,8 @@ class RewrittenPair:
 
 def rewrite_pair(g: int, graph: StepGraph, table: NodeTable, schedule: Schedule) -> RewrittenPair:
     pair = table.pairs[g]
+    slots = swap_slots(graph, schedule)
     return RewrittenPair(
-        rewrite_forward(pair.forward, g, graph, table, schedule),
-        rewrite_backward(pair.backward, g, graph, table, schedule),
+        rewrite_forward(pair.forward, g, graph, table, schedule, slots),
+        rewrite_backward(pair.backward, g, graph, table, schedule, slots),
     )

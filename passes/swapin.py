@@ -1,7 +1,8 @@
 """Backward pass: prefetch / wait for swapped activations, recompute subgraphs before first use.
 
 The backward graph is re-emitted in the schedule's order: a ``fxpooch.prefetch`` at its
-planned position, a ``fxpooch.wait`` just before the first reader, and each recompute segment's
+planned position, a ``fxpooch.wait`` just before the first reader (both name the host copy's
+slot, the one its ``fxpooch.offload`` wrote), and each recompute segment's
 forward ops (copied, renamed ``re_*``) just before the first reader of the activation it is
 emitted for; the recomputed activations it rebuilds (``Schedule.materialises``) die after their
 last readers instead of living through the whole backward.
@@ -19,7 +20,7 @@ from .meta import META_KEY
 
 
 def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTable,
-                     schedule: Schedule) -> fx.GraphModule:
+                     schedule: Schedule, slots: dict[int, int]) -> fx.GraphModule:
     new = fx.Graph()
     env: dict[int, fx.Node] = {}  # op id -> value in the new graph
     host: dict[int, fx.Node] = {}  # swapped member op id -> its host-copy placeholder
@@ -56,7 +57,7 @@ def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTa
                 if act.same_as[i] != i:
                     continue
                 device = table.nodes[m].meta["val"].device
-                p = new.create_node("call_function", torch.ops.fxpooch.prefetch.default, (host[m], device),
+                p = new.create_node("call_function", torch.ops.fxpooch.prefetch.default, (host[m], device, slots[m]),
                                     name=f"prefetch_{table.nodes[m].name}")
                 p.meta[META_KEY] = {"activation": act.name, "decision": "swap"}
                 prefetched[m] = p
@@ -64,7 +65,7 @@ def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTa
             for i, m in enumerate(act.members):
                 first = act.members[act.same_as[i]]
                 if first == m:
-                    w = new.create_node("call_function", torch.ops.fxpooch.wait.default, (prefetched[m],),
+                    w = new.create_node("call_function", torch.ops.fxpooch.wait.default, (prefetched[m], slots[m]),
                                         name=f"wait_{table.nodes[m].name}")
                 else:  # same layout as an earlier member: an alias of its copy
                     w = new.create_node("call_function", torch.ops.aten.alias.default, (env[first],),

@@ -59,15 +59,15 @@ def delayed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     """Every offload/prefetch first enqueues a busy-wait: on its side stream ("side": copies run
     late, so the compute stream must wait for them and must not reuse their buffers early), or on
     the compute stream ("compute": the producers and earlier users of a buffer finish late)."""
-    real_get = runtime._streams.get
+    real_get = runtime._Streams.get
 
-    def get(table: dict, device: torch.device) -> torch.cuda.Stream:
-        stream = real_get(table, device)
+    def get(streams: runtime._Streams, table: dict, device: torch.device) -> torch.cuda.Stream:
+        stream = real_get(streams, table, device)
         with torch.cuda.stream(stream if request.param == "side" else torch.cuda.current_stream(device)):
             compat.cuda_sleep(SLEEP_CYCLES)
         return stream
 
-    monkeypatch.setattr(runtime._streams, "get", get)
+    monkeypatch.setattr(runtime._Streams, "get", get)
     return request.param
 
 
@@ -150,10 +150,10 @@ def test_offloaded_buffer_is_not_reused_before_its_copy(delayed: str):
     n = 1 << 22
     x = torch.randn(n, device="cuda")
     expected = x.cpu()
-    host = torch.ops.fxpooch.offload(x)
+    host = torch.ops.fxpooch.offload(x, 0)
     del x
     torch.empty(n, device="cuda").fill_(7.0)  # takes x's block if record_stream were missing
-    back = torch.ops.fxpooch.wait(torch.ops.fxpooch.prefetch(host, torch.device("cuda")))
+    back = torch.ops.fxpooch.wait(torch.ops.fxpooch.prefetch(host, torch.device("cuda"), 0), 0)
     back = back * 1  # a compute-stream read, ordered by wait
     torch.testing.assert_close(back.cpu(), expected, rtol=0, atol=0)
 
@@ -210,7 +210,7 @@ def test_host_memory_flat_over_50_steps():
         gc.collect()
         pool_bytes.append(cm.host_pool_bytes)
         rss.append(rss_bytes())
-        pending.append((len(runtime._host_copies), len(runtime._prefetched)))
+        pending.append((len(cm.runtime.slots), len(cm.runtime.prefetched)))
     assert set(pool_bytes) == {pool_bytes[0]}, f"pinned pool grew: {pool_bytes}"
     assert set(pending) == {pending[0]}, f"copy events accumulate: {pending}"
     assert rss[-1] - rss[4] <= RSS_SLACK, f"RSS grew {(rss[-1] - rss[4]) / 2**20:.1f} MiB over 45 steps"
@@ -227,7 +227,7 @@ def test_pinned_pool_blocks_are_reused():
         step(cm, model, x)
         torch.cuda.synchronize()
     assert pool.total_bytes == after_first, "step 10 allocated host blocks instead of reusing step 1's"
-    blocks = [b for free in pool.free.values() for b, _ in free]
+    blocks = [b.data for free in pool.free.values() for b in free]
     assert blocks and all(b.is_pinned() for b in blocks)
     assert pool.total_bytes <= cm.plan.host_bytes  # the plan's blocks (rounded to 512 B there), nothing more
 

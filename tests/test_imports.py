@@ -24,8 +24,8 @@ STAGES: list[tuple[str, set[str]]] = [
                   "planners.bounds", "planners.pooch", "planners.search"}),
     ("plan", {"plan"}),
     ("inspect", {"whatif", "report", "explain", "svg", "trace"}),
-    ("passes", {"passes", "passes.meta", "passes.offload", "passes.swapin", "passes.rewrite"}),
-    ("runtime", {"runtime"}),
+    ("passes", {"passes", "passes.meta", "passes.offload", "passes.swapin", "passes.rewrite", "passes.slots"}),
+    ("runtime", {"hostpool", "runtime"}),
     ("api", {"options", "pipeline", "api"}),
     ("entry points", {"demo", "__main__", "__init__"}),
 ]

@@ -47,7 +47,7 @@ def forward(self, args_list):
     addmm = torch.ops.aten.addmm.default(primals_2, primals_3, t);  t = None
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
     detach = torch.ops.aten.detach.default(relu);  detach = None
-    offload_relu = torch.ops.fxpooch.offload.default(relu)
+    offload_relu = torch.ops.fxpooch.offload.default(relu, 0)
     t_1 = torch.ops.aten.t.default(primals_4)
     addmm_1 = torch.ops.aten.addmm.default(primals_5, relu, t_1);  relu = None
     relu_1 = torch.ops.aten.relu.default(addmm_1);  addmm_1 = None
@@ -77,11 +77,11 @@ def forward(self, args_list):
     primals_7 = next(args_iter)
     tangents_1 = next(args_iter)
     args_list.clear()
-    prefetch_relu = torch.ops.fxpooch.prefetch.default(relu, device(type='cpu'));  relu = None
+    prefetch_relu = torch.ops.fxpooch.prefetch.default(relu, device(type='cpu'), 0);  relu = None
     t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
     mm = torch.ops.aten.mm.default(tangents_1, t_3);  t_3 = None
     t_4 = torch.ops.aten.t.default(tangents_1)
-    wait_relu = torch.ops.fxpooch.wait.default(prefetch_relu);  prefetch_relu = None
+    wait_relu = torch.ops.fxpooch.wait.default(prefetch_relu, 0);  prefetch_relu = None
     alias_detach = torch.ops.aten.alias.default(wait_relu)
     re_addmm_1 = torch.ops.aten.addmm.default(primals_5, wait_relu, t_1);  primals_5 = None
     re_relu_1 = torch.ops.aten.relu.default(re_addmm_1);  re_addmm_1 = None
@@ -161,7 +161,7 @@ def test_random_ops_are_not_recomputed():
 def test_rewritten_graphs_print_readably():
     cm = compile_mlp({"relu": "swap"})
     text = cm.forward_graphs[0].print_readable(print_output=False)
-    assert "torch.ops.fxpooch.offload.default(relu)" in text
+    assert "torch.ops.fxpooch.offload.default(relu, 0)" in text
 
 
 SHARED_TAIL = """\
@@ -219,3 +219,84 @@ def test_shared_segment_recomputes_once_and_matches_eager():
     for (name, p), q in zip(cm.model.named_parameters(), eager.parameters(), strict=True):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+PROTOCOL = """\
+    offload_relu = torch.ops.fxpooch.offload.default(relu, 0)
+    offload_relu_1 = torch.ops.fxpooch.offload.default(relu_1, 1)
+    prefetch_relu_1 = torch.ops.fxpooch.prefetch.default(relu_1, device(type='cpu'), 1);  relu_1 = None
+    prefetch_relu = torch.ops.fxpooch.prefetch.default(relu, device(type='cpu'), 0);  relu = None
+    wait_relu_1 = torch.ops.fxpooch.wait.default(prefetch_relu_1, 1);  prefetch_relu_1 = None
+    wait_relu = torch.ops.fxpooch.wait.default(prefetch_relu, 0);  prefetch_relu = None
+"""
+
+
+def protocol(*gms) -> str:
+    return "".join(line + "\n" for gm in gms for line in gm.code.splitlines() if "torch.ops.fxpooch." in line)
+
+
+def test_slots_pair_each_offload_with_its_prefetch_and_wait():
+    """Two swapped activations: slots in the schedule's offload order; the backward prefetches the
+    later one first, and each prefetch and wait names the slot its offload wrote (relu_1 and its
+    detach share one copy). The step then matches eager and leaves no host copy behind."""
+    cm = compile_mlp({"relu": "swap", "relu_1": "swap"})
+    assert protocol(cm.forward_graphs[0], cm.backward_graphs[0]) == PROTOCOL
+    eager = copy.deepcopy(cm.model)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # the second step reuses the first one's blocks
+        cm.model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+        cm(x).square().sum().backward()
+        eager(x).square().sum().backward()
+        for p, q in zip(cm.model.parameters(), eager.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+        assert not cm.runtime.slots and not cm.host_pool.in_use
+        assert cm.host_pool_bytes == cm.plan.host_bytes
+
+
+def test_rewritten_graphs_run_op_by_op_on_the_default_state():
+    """The graphs are ordinary FX: an Interpreter runs them node by node, outside the compiled
+    module, on ``fxpooch.runtime.DEFAULT``; the backward's gradients are the compiled module's."""
+    from fxpooch import runtime
+
+    cm = compile_mlp({"relu": "swap", "relu_1": "swap"})
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    cm.model.zero_grad(set_to_none=True)
+    out = cm(x)
+    out.backward(torch.ones_like(out))
+    expected = [p.grad for p in cm.model.parameters()]
+    fw, bw = cm.forward_graphs[0], cm.backward_graphs[0]
+    params = [p.detach() for p in cm.model.parameters()]
+    primals = [params[0], params[1], x, *params[2:]]  # primals_1..7: the first layer's weight, bias, then x
+    outs = torch.fx.Interpreter(fw).run(*primals)
+    assert set(runtime.DEFAULT.slots) == {0, 1}  # the host copies wait in their slots
+    saved = list(outs[1:])
+    grads = torch.fx.Interpreter(bw).run(*saved, torch.ones_like(outs[0]))
+    assert not runtime.DEFAULT.slots and not runtime.DEFAULT.pool.in_use
+    for g, e in zip((g for g in grads if g is not None), expected, strict=True):  # x has no gradient
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_a_prefetch_of_an_empty_slot_is_an_error():
+    from fxpooch import runtime
+
+    state = runtime.Runtime(runtime.HostPool(limit_bytes=None, pin=False))
+    x = torch.randn(512, 512)
+    with state.entered():
+        host = torch.ops.fxpooch.offload(x, 3)
+        with pytest.raises(RuntimeError, match="slot 4 does not hold this host copy"):
+            torch.ops.fxpooch.prefetch(host, x.device, 4)
+        back = torch.ops.fxpooch.wait(torch.ops.fxpooch.prefetch(host, x.device, 3), 3)
+    torch.testing.assert_close(back, x, rtol=0, atol=0)
+    assert not state.slots and not state.pool.in_use and state.pool.total_bytes == 2**20
+
+
+def test_a_host_copy_never_prefetched_returns_its_block():
+    from fxpooch import runtime
+
+    state = runtime.Runtime(runtime.HostPool(limit_bytes=None, pin=False))
+    with state.entered():
+        host = torch.ops.fxpooch.offload(torch.randn(512, 512), 0)
+    assert state.pool.in_use_bytes == 2**20 and set(state.slots) == {0}
+    del host  # a forward whose backward never runs
+    assert not state.slots and not state.pool.in_use and state.pool.total_bytes == 2**20
