@@ -30,6 +30,7 @@ from .capture import GraphPair, Recorder, capture_step
 from .errors import InfeasibleMemoryLimit
 from .graph import NodeTable, StepGraph, build_step_graph
 from .hardware import Hardware, Link, get_hardware
+from .limits import DEFAULT_META_HARDWARE, HOST_PRESET
 from .memory import Margin, MemoryModel
 from .options import resolve_hardware, resolve_profile_source
 from .plan import Plan, activation_meta, activation_names, module_paths
@@ -141,12 +142,12 @@ def profile_step(step: TracedStep, profile: str | Profile | os.PathLike = "analy
     if isinstance(source, Profile):
         result = source
     elif source == "analytic" or device.type == "meta":
-        hw = hardware or get_hardware("cpu" if device.type == "cpu" else "h100-pcie5")
+        hw = hardware or get_hardware(HOST_PRESET if device.type == "cpu" else DEFAULT_META_HARDWARE)
         result = analytic_profile(step.graph, step.table, hw)
     else:
         measured_link = link or (hardware.link if hardware else None)
         if measured_link is None:
-            measured_link = measure_link(device) if device.type == "cuda" else get_hardware("cpu").link
+            measured_link = measure_link(device) if device.type == "cuda" else get_hardware(HOST_PRESET).link
         options = ProfileOptions(mode)
         peak = in_core_peak_bytes(step.graph) if options.mode == "auto" else None
         result = measure_profile(step.graph, step.table, inputs, measured_link, options, mem_limit, peak)
