@@ -66,7 +66,9 @@ def fit_link(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, flo
 class LinkCalibration:
     """Pinned host<->device copies timed with CUDA events: seconds per copy of each size, device
     to host and host to device, on a side stream alone and while a memory-bound kernel runs on
-    the compute stream (``*_concurrent``, what a swap overlapping compute sees)."""
+    the compute stream (``*_concurrent``, what a swap overlapping compute sees). On a CPU host the
+    copies the runtime makes, timed on the thread that runs the ops (into a reused host block, and
+    into a new tensor); nothing runs beside them there, so ``*_concurrent`` repeats the figures."""
 
     device: str
     sizes: tuple[int, ...]
@@ -115,10 +117,11 @@ class Link:
             raise ValueError(f"Link {self.name!r}: latency must be >= 0 s, got {self.latency!r}")
 
     @classmethod
-    def calibrated(cls, name: str, calibration: LinkCalibration) -> Link:
+    def calibrated(cls, name: str, calibration: LinkCalibration, on_compute_stream: bool = False) -> Link:
         """The link whose per-direction times are ``calibration``'s fits next to compute."""
         d2h, h2d = calibration.fit("d2h"), calibration.fit("h2d")
-        return cls(name, min(d2h.bandwidth, h2d.bandwidth), max(d2h.latency, h2d.latency), calibration)
+        return cls(name, min(d2h.bandwidth, h2d.bandwidth), max(d2h.latency, h2d.latency), calibration,
+                   on_compute_stream)
 
     def transfer_time(self, nbytes: int) -> float:
         """Seconds to move ``nbytes`` one way: ``latency + nbytes / bandwidth`` (0 bytes -> 0.0)."""
@@ -131,7 +134,9 @@ class Link:
     def directed(self, direction: str) -> Link:
         """The link of one direction ("d2h" or "h2d"): the calibrated fit next to compute when
         measured, else this link."""
-        return self if self.calibration is None else self.calibration.fit(direction)
+        if self.calibration is None:
+            return self
+        return dataclasses.replace(self.calibration.fit(direction), on_compute_stream=self.on_compute_stream)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency}

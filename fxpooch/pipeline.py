@@ -35,7 +35,7 @@ from .memory import Margin, MemoryModel
 from .options import resolve_hardware, resolve_profile_source
 from .plan import Plan, activation_meta, activation_names, module_paths
 from .planners import Candidate, Planner, Problem, resolve_planner
-from .profile import Profile, ProfileOptions, analytic_profile, measure_link, measure_profile
+from .profile import Profile, ProfileOptions, analytic_profile, measure_host_link, measure_link, measure_profile
 from .progress import stage
 from .schedule import Decision, build_schedule
 from .simulator import in_core_peak_bytes, simulate
@@ -145,10 +145,10 @@ def profile_step(step: TracedStep, profile: str | Profile | os.PathLike = "analy
         hw = hardware or get_hardware(HOST_PRESET if device.type == "cpu" else DEFAULT_META_HARDWARE)
         result = analytic_profile(step.graph, step.table, hw)
     else:
+        options = ProfileOptions(mode)
         measured_link = link or (hardware.link if hardware else None)
         if measured_link is None:
-            measured_link = measure_link(device) if device.type == "cuda" else get_hardware(HOST_PRESET).link
-        options = ProfileOptions(mode)
+            measured_link = measure_link(device) if device.type == "cuda" else measure_host_link(options=options)
         peak = in_core_peak_bytes(step.graph) if options.mode == "auto" else None
         result = measure_profile(step.graph, step.table, inputs, measured_link, options, mem_limit, peak)
     return result.with_link(link) if link else result

@@ -53,7 +53,9 @@ def fingerprint(graph: StepGraph) -> str:
 
 @dataclass(frozen=True)
 class Profile:
-    source: str  # "cuda-events", "cpu-timer" (" per-node" when so measured) or "analytic:<preset>"
+    #: "cuda-events", "cpu-timer" (wall clock), "cpu-thread-time" (" per-node" when so measured) or
+    #: "analytic:<preset>"
+    source: str
     link: Link
     op_times: dict[str, float]
     fingerprint: str
@@ -132,9 +134,14 @@ class _NodeTimer(fx.Interpreter):
         return out
 
 
-def _cpu_clock() -> Callable[[], float]:
+def _wall_clock() -> Callable[[], float]:
     t0 = time.perf_counter()
     return lambda: time.perf_counter() - t0
+
+
+def _thread_clock() -> Callable[[], float]:
+    t0 = time.thread_time()
+    return lambda: time.thread_time() - t0
 
 
 def _cuda_clock() -> Callable[[], float]:
@@ -159,23 +166,43 @@ def _real_like(val: Any, device: torch.device) -> torch.Tensor | None:
 
 
 MODES = ("auto", "in-situ", "per-node")
+CLOCKS = ("auto", "wall", "thread")
 
 
 @dataclass(frozen=True)
 class ProfileOptions:
-    """How :func:`measure_profile` times the nodes: ``mode`` "in-situ" runs each graph pair whole
-    on the captured inputs (needs the in-core step's memory), "per-node" runs each node alone on
-    fresh inputs of its traced shapes (needs one node's inputs and outputs), "auto" is in-situ
-    when the in-core step fits (:func:`choose_mode`); ``repeats`` timed runs after a warm-up."""
+    """How :func:`measure_profile` times the nodes.
+
+    ``mode``: "in-situ" runs each graph pair whole on the captured inputs (needs the in-core
+    step's memory), "per-node" runs each node alone on fresh inputs of its traced shapes (needs one
+    node's inputs and outputs), "auto" is in-situ when the in-core step fits (:func:`choose_mode`).
+
+    ``repeats``: timed runs after a warm-up; a node's time is the least of them. Other load on the
+    machine only ever adds time, so the minimum is the least disturbed figure (a median moves
+    with the load).
+
+    ``clock`` (CPU only; CUDA is always timed with events): "wall" is ``time.perf_counter``;
+    "thread" is the calling thread's CPU time (``time.thread_time``), which does not count the time
+    other processes hold the core, so a profile made on a loaded machine is that of an idle one. It
+    misses the work of torch's other intra-op threads, so "auto" takes it with one intra-op thread
+    (``torch.get_num_threads() == 1``) and the wall clock otherwise.
+    """
 
     mode: str = "auto"
     repeats: int = 3
+    clock: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise InvalidProfile(f"profile mode {self.mode!r}: choose one of {', '.join(MODES)}")
         if self.repeats < 1:
             raise InvalidProfile(f"profile repeats must be >= 1, got {self.repeats}")
+        if self.clock not in CLOCKS:
+            raise InvalidProfile(f"profile clock {self.clock!r}: choose one of {', '.join(CLOCKS)}")
+
+    def thread_clock(self) -> bool:
+        """Whether CPU nodes are timed by the calling thread's CPU time (see ``clock``)."""
+        return self.clock == "thread" or (self.clock == "auto" and torch.get_num_threads() == 1)
 
 
 def choose_mode(graph: StepGraph, in_core_peak: int, mem_limit: int, device: torch.device) -> str:
@@ -210,7 +237,8 @@ def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[l
             raise InvalidProfile("profile mode 'auto' needs the memory limit and the in-core peak; pass "
                                  "mem_limit and in_core_peak, or a mode")
         mode = choose_mode(graph, in_core_peak, mem_limit, device)
-    clock = _cuda_clock if on_cuda else _cpu_clock
+    thread = not on_cuda and options.thread_clock()
+    clock = _cuda_clock if on_cuda else _thread_clock if thread else _wall_clock
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     try:
@@ -223,7 +251,8 @@ def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[l
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     times = {k: min(v) for k, v in samples.items()}
-    source = ("cuda-events" if on_cuda else "cpu-timer") + (" per-node" if mode == "per-node" else "")
+    source = ("cuda-events" if on_cuda else "cpu-thread-time" if thread else "cpu-timer") + (
+        " per-node" if mode == "per-node" else "")
     log.info("profiled %d ops with %s", len(times), source)
     return Profile(source, link, times, fingerprint(graph))
 
@@ -382,6 +411,49 @@ def measure_link(device: torch.device | str, sizes: Sequence[int] = LINK_SIZES, 
             cal = _calibrate(torch.device(key), tuple(sizes), repeats)
         _links[key] = Link.calibrated(f"measured:{cal.device}", cal)
         log.info("link of %s: %s", key, _links[key])
+    return _links[key]
+
+
+#: copy sizes of the host link: 64 KiB to 16 MiB. Larger new tensors come from fresh pages (glibc maps
+#: allocations past its threshold, 32 MiB at most, anew and the first write faults each page in), a
+#: cost per byte several times the copy's that a latency + bandwidth line through both would smear
+#: over every size
+HOST_LINK_SIZES = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
+
+
+def measure_host_link(sizes: Sequence[int] = HOST_LINK_SIZES, repeats: int = 5,
+                      options: ProfileOptions = ProfileOptions()) -> Link:
+    """The copies a CPU run makes in place of swaps, timed on this thread as :func:`measure_profile`
+    times the ops (``options``' clock, the least of ``repeats`` after a warm-up): an offload into a
+    reused host block, a prefetch into a new tensor (its allocation included). They run on the
+    compute thread (``on_compute_stream``), so nothing overlaps them. Measured once per process
+    and clock."""
+    clock = _thread_clock if options.thread_clock() else _wall_clock
+    key = f"cpu {clock.__name__}"
+    if key not in _links:
+        sizes = tuple(sizes)
+        src = torch.ones(max(sizes), dtype=torch.uint8)
+        block = torch.empty_like(src)
+
+        def least(copy: Callable[[int], Any]) -> tuple[float, ...]:
+            per_size = []
+            for size in sizes:
+                times = []
+                for r in range(repeats + 1):  # the first run warms up
+                    stop = clock()
+                    out = copy(size)
+                    elapsed = stop()
+                    del out
+                    if r:
+                        times.append(elapsed)
+                per_size.append(min(times))
+            return tuple(per_size)
+
+        d2h = least(lambda n: block[:n].copy_(src[:n]))
+        h2d = least(lambda n: torch.empty(n, dtype=torch.uint8).copy_(block[:n]))
+        cal = LinkCalibration("cpu", sizes, d2h, h2d, d2h, h2d)
+        _links[key] = Link.calibrated("measured:cpu", cal, on_compute_stream=True)
+        log.info("host copies: %s", _links[key])
     return _links[key]
 
 

@@ -74,3 +74,27 @@ def test_calibration_is_saved_in_the_profile_and_old_profiles_still_load(tmp_pat
     old["link"] = {"name": "pcie3", "bandwidth": 12e9, "latency": 1e-5}  # a profile saved before calibrations
     path.write_text(json.dumps(old))
     assert fxpooch.Profile.load(path).link == Link("pcie3", 12e9, 1e-5)
+
+
+def test_a_calibrated_host_link_keeps_its_copies_on_the_compute_stream(tmp_path):
+    cal = LinkCalibration("cpu", SIZES, copies(0.0, 10e9), copies(0.0, 5e9), copies(0.0, 10e9), copies(0.0, 5e9))
+    link = Link.calibrated("measured:cpu", cal, on_compute_stream=True)
+    for direction in ("d2h", "h2d"):
+        assert link.directed(direction).on_compute_stream
+    assert link.directed("h2d").transfer_time(10**9) == pytest.approx(0.2)
+    assert Link.from_json(json.loads(json.dumps(link.to_json()))) == link
+
+
+def test_measured_host_link_times_the_copies_a_cpu_run_makes():
+    from fxpooch.profile import HOST_LINK_SIZES, ProfileOptions, measure_host_link
+
+    link = measure_host_link(options=ProfileOptions(clock="thread"))
+    assert link.on_compute_stream and link.name == "measured:cpu"
+    assert link.calibration is not None and link.calibration.sizes == HOST_LINK_SIZES
+    assert link.bandwidth > 0 and link.latency >= 0
+    assert measure_host_link(options=ProfileOptions(clock="thread")) is link  # once per process and clock
+    # a CPU step compiled with a measured profile swaps over it: its copies add to the step
+    model, x = ZOO["mlp"]()
+    cm = fxpooch.compile(model, x, "1TiB", planner="swap-all", profile="measure")
+    assert cm.plan.profile.link.on_compute_stream and cm.plan.profile.link.name == "measured:cpu"
+    assert cm.plan.profile.costs(cm.plan.graph).serial_copies

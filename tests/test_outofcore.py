@@ -20,6 +20,9 @@ from measure import HOST_OPS, counting_graphs, measured_step_peak
 from memcount import LiveStorageCounter
 from zoo import MiB, mlp
 
+#: the source label of a measured CPU profile: the thread clock with one intra-op thread
+CPU_TIMER = "cpu-thread-time" if ProfileOptions().thread_clock() else "cpu-timer"
+
 ANALYTIC = dict(profile="analytic", hardware="cpu")
 
 
@@ -124,7 +127,7 @@ def test_per_node_profile_times_every_op_within_one_nodes_footprint(build):
     counter = LiveStorageCounter()
     with counter:
         profile = measure_profile(graph, table, [], fxpooch.HARDWARE_PRESETS["cpu"].link, ProfileOptions("per-node"))
-    assert profile.source == "cpu-timer per-node"
+    assert profile.source == f"{CPU_TIMER} per-node"
     calls = [i for i, n in enumerate(table.nodes) if n.op == "call_function"]
     keys = {f"{graph.ops[i].graph}/{graph.ops[i].phase.value}/{graph.ops[i].name}" for i in calls}
     assert keys == set(profile.op_times)
@@ -138,20 +141,40 @@ def test_per_node_profile_times_every_op_within_one_nodes_footprint(build):
 def test_measured_profile_is_per_node_when_the_step_does_not_fit():
     model, x = deep_mlp()
     fits = fxpooch.compile(model, x, "1TiB", planner="in-core", profile="measure", hardware="cpu")
-    assert fits.plan.profile.source == "cpu-timer"
+    assert fits.plan.profile.source == CPU_TIMER
     with pytest.raises(fxpooch.InfeasibleMemoryLimit) as info:
         fxpooch.compile(model, x, 1, **ANALYTIC)
     tight = fxpooch.compile(model, x, (info.value.min_feasible_bytes + fits.plan.in_core_peak_bytes) // 2,
                             profile="measure", hardware="cpu")
-    assert tight.plan.profile.source == "cpu-timer per-node"
+    assert tight.plan.profile.source == f"{CPU_TIMER} per-node"
     assert set(tight.plan.profile.op_times) == set(fits.plan.profile.op_times)
     forced = fxpooch.compile(model, x, "1TiB", profile="measure", hardware="cpu", profile_mode="per-node")
-    assert forced.plan.profile.source == "cpu-timer per-node"
+    assert forced.plan.profile.source == f"{CPU_TIMER} per-node"
     with pytest.raises(fxpooch.InvalidProfile, match="per-node"):
         fxpooch.compile(model, x, "1TiB", profile_mode="sometimes")
 
 
 # -- margin --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("threads, clock, source", [
+    (1, "auto", "cpu-thread-time"), (2, "auto", "cpu-timer"), (2, "thread", "cpu-thread-time"), (1, "wall", "cpu-timer")])
+def test_cpu_profile_clock_is_thread_time_with_one_intra_op_thread(threads, clock, source):
+    model, x = mlp()
+    planned = fxpooch.compile(model, x, "1TiB", **ANALYTIC)._current
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        options = ProfileOptions("per-node", clock=clock)
+        assert options.thread_clock() == (source == "cpu-thread-time")
+        profile = measure_profile(planned.graph, planned.table, [], fxpooch.HARDWARE_PRESETS["cpu"].link, options)
+    finally:
+        torch.set_num_threads(previous)
+    assert profile.source == f"{source} per-node"
+    assert set(profile.op_times) == {f"{op.graph}/{op.phase.value}/{op.name}" for op, n in
+                                     zip(planned.graph.ops, planned.table.nodes) if n.op == "call_function"}
+    with pytest.raises(fxpooch.InvalidProfile, match="clock 'sundial'"):
+        ProfileOptions(clock="sundial")
+
+
 def test_margin_is_planned_for_and_shown():
     model, x = mlp()
     with pytest.raises(fxpooch.InfeasibleMemoryLimit) as bare:

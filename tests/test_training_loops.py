@@ -31,12 +31,15 @@ import torch.nn.functional as F
 
 import fxpooch
 from fxpooch.planners import Problem, get_planner
+from fxpooch.profile import ProfileOptions
 from measure import HOST_OPS, StepCounter
 from memcount import resident_bytes
 
 TOLERANCE = 1.02
 ANALYTIC = dict(profile="analytic", hardware="cpu")
 WIDTH, BATCH = 256, 2048  # a (BATCH, WIDTH) fp32 activation is 2 MiB
+#: the source label of a measured CPU profile: the thread clock with one intra-op thread
+CPU_TIMER = "cpu-thread-time" if ProfileOptions().thread_clock() else "cpu-timer"
 
 
 # -- models ------------------------------------------------------------------------------------
@@ -424,7 +427,7 @@ def test_in_situ_profiling_at_the_in_core_limit_stays_under_it():
 
     assert measured_peak(model, (x,), compile_step) <= in_core
     cm = compiled["cm"]
-    assert cm.plan.profile.source == "cpu-timer"  # in situ
+    assert cm.plan.profile.source == CPU_TIMER  # in situ
     half = x[: BATCH // 2].clone()
     assert measured_peak(model, (half,), lambda: cm(half).sum().backward()) <= in_core  # re-plans in situ
 
@@ -444,7 +447,7 @@ def test_per_node_profiling_under_bf16_autocast_with_layer_norm():
     eager = copy.deepcopy(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         cm = fxpooch.compile(model, x, "1GiB", profile="measure", hardware="cpu", profile_mode="per-node")
-        assert cm.plan.profile.source == "cpu-timer per-node"
+        assert cm.plan.profile.source == f"{CPU_TIMER} per-node"
         cm(x).float().sum().backward()
         eager(x).float().sum().backward()
     for p, q in zip(model.parameters(), eager.parameters()):
