@@ -196,7 +196,8 @@ class CompiledModule(nn.Module):
     def _replan(self, args: tuple, kwargs: dict, cause: str) -> _Planned:
         """The plan of the graphs this step runs: a cached one if its graphs were planned already."""
         # Step 1, trace: capture the step through this module's dynamo entry
-        step = trace_step(self.model, args, kwargs, compiled=self._compiled, recorder=self._recorder)
+        step = trace_step(self.model, args, kwargs, compiled=self._compiled, recorder=self._recorder,
+                          outputs_held=self.options.outputs_held)
         known = self._plans.get(step.key)
         if known is not None:
             return known
@@ -288,7 +289,8 @@ def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, plan
 
 def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str | Planner = "local",
          profile: str | Profile | os.PathLike = "analytic", hardware: str | Hardware | None = None,
-         link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None) -> Plan:
+         link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None,
+         outputs_held: bool = True) -> Plan:
     """Plan without running anything: works on a model and inputs on the ``meta`` device.
 
     On meta tensors, bytes are counted as CUDA's allocator would and times come from the
@@ -297,14 +299,14 @@ def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner:
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
     options = CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link,
-                             profile_mode=profile_mode, margin=margin)
-    return _profile_and_plan(trace_step(model, args, kwargs), limit, options)
+                             profile_mode=profile_mode, margin=margin, outputs_held=outputs_held)
+    return _profile_and_plan(trace_step(model, args, kwargs, outputs_held=outputs_held), limit, options)
 
 
 def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str | Planner = "local",
             profile: str | Profile | os.PathLike = "measure", hardware: str | Hardware | None = None,
             link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None,
-            host_pool_limit: int | str | None = None, max_plans: int = 8) -> CompiledModule:
+            host_pool_limit: int | str | None = None, max_plans: int = 8, outputs_held: bool = True) -> CompiledModule:
     """Plan ``model``'s training step to fit ``mem_limit`` and return a module that runs that plan.
 
     ``mem_limit``: bytes (an int, ``"16GiB"``, ``"16GB"``, ``"16G"`` = 16 GiB), ``"60%"`` (of the
@@ -314,12 +316,14 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
     The model's forward runs once here to trace it, without holding its activations (its
     buffers and the RNG state are put back); a measured profile times each node in situ if the
     in-core step fits, else each node alone. The returned module's backward puts gradients on
-    ``model``'s parameters. ``profile_mode``, ``margin``, ``host_pool_limit`` and ``max_plans``: see
+    ``model``'s parameters. ``profile_mode``, ``margin``, ``host_pool_limit``, ``max_plans`` and
+    ``outputs_held`` (False when the caller drops the outputs before calling backward): see
     :class:`CompileOptions`.
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
     options = CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link, profile_mode=profile_mode,
-                             margin=margin, host_pool_limit=host_pool_limit, max_plans=max_plans)
+                             margin=margin, host_pool_limit=host_pool_limit, max_plans=max_plans,
+                             outputs_held=outputs_held)
     compiled = CompiledModule(model, limit, options)
     compiled._prepare(args, kwargs)
     return compiled

@@ -34,6 +34,9 @@ class BufferKind(str, enum.Enum):
     #: user outputs and gradients: live until the step ends (the caller may hold the output through
     #: the backward; one it drops earlier only lowers the real peak)
     OUTPUT = "output"
+    #: a user output the caller drops before the backward (``build_step_graph(outputs_held=False)``,
+    #: e.g. the logits next to a loss the model computes): lives until the forward returns
+    RETURNED = "returned"
     #: incoming output gradients: allocated when their backward starts and held by autograd for the
     #: whole backward call (a gradient AOTAutograd has to copy to the traced layout, e.g. the
     #: expanded one of ``out.sum()``, dies at its last reader instead: again only lower)
@@ -134,6 +137,11 @@ class StepGraph:
         return tuple(tuple(sorted(b)) for b in out)
 
     @functools.cached_property
+    def returned_buffers(self) -> tuple[int, ...]:
+        """The user outputs the caller drops before the backward (:attr:`BufferKind.RETURNED`)."""
+        return tuple(b for b, buf in enumerate(self.buffers) if buf.kind is BufferKind.RETURNED)
+
+    @functools.cached_property
     def buffer_graph(self) -> dict[int, int]:
         """Graph index of the op that allocates each allocated buffer."""
         return {b: op.graph for op in self.ops for b in op.allocs}
@@ -173,7 +181,13 @@ def _is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_bytes: int) -> tuple[StepGraph, NodeTable]:
+def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_bytes: int, *,
+                     outputs_held: bool = True) -> tuple[StepGraph, NodeTable]:
+    """The framework-free step of ``pairs``. ``outputs_held``: the caller holds the model's outputs
+    until the step ends (True), or drops them before calling backward on the loss (False: each
+    lives until the forward returns, but a 0-dim one, the loss, and one the backward reads; the
+    incoming gradients are then autograd's own, zeros for a dropped output, each freed after its
+    last reader instead of held through the backward call)."""
     ops: list[Op] = []
     nodes: list[fx.Node] = []
     op_of: dict[fx.Node, int] = {}
@@ -231,10 +245,17 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
             kind = BufferKind.RESIDENT if node.op == "placeholder" else BufferKind.TEMP
             add_op(node, g, Phase.FORWARD, key_to_buf, kind)
         fw_range.append((start, len(ops)))
-        for n in user_outputs:  # user outputs live until the step ends
+        # user outputs live until the step ends; dropped ones until the forward returns, unless the
+        # backward reads them too (then autograd holds them: counted to the end, as held ones) or they
+        # are a loss (a 0-dim output: the caller holds what it calls backward on)
+        saved_bufs = {b for n in pair.saved_nodes for b in buffer_of[op_of[n]]}
+        for n in user_outputs:
+            loss = any(v.dim() == 0 for v in _vals(n))
             for b in buffer_of[op_of[n]]:
                 if buffers[b].kind is BufferKind.TEMP:
-                    buffers[b] = Buffer(buffers[b].name, buffers[b].nbytes, BufferKind.OUTPUT)
+                    held = outputs_held or loss or b in saved_bufs
+                    kind = BufferKind.OUTPUT if held else BufferKind.RETURNED
+                    buffers[b] = Buffer(buffers[b].name, buffers[b].nbytes, kind)
         # activations: saved storages that the forward allocated
         by_buffer: dict[int, list[int]] = {}
         for n in pair.saved_nodes:
@@ -270,7 +291,10 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                 # a saved value: the same value the forward produced
                 op_of[node] = op_of[saved_nodes[bw_placeholders.index(node)]]
                 continue
-            kind = BufferKind.TANGENT if node.op == "placeholder" else BufferKind.TEMP
+            # an incoming gradient: held by whoever passed it for the whole backward call; when the caller
+            # drops the outputs, each but the loss's is autograd's zeros, freed after its last reader
+            held = outputs_held or any(v.dim() == 0 for v in _vals(node))
+            kind = BufferKind.TANGENT if node.op == "placeholder" and held else BufferKind.TEMP
             add_op(node, g, Phase.BACKWARD, key_to_buf, kind)
         bw_range[g] = (start, len(ops))
 

@@ -48,7 +48,11 @@ class CompileOptions:
     available when compiling; a plan needing more is warned about); exceeding it raises
     :class:`~fxpooch.errors.HostPoolExhausted`. ``max_plans``: how many plans (one per set of
     graphs dynamo compiles for a step, input signature and gradient state) a compiled module makes
-    before it raises :class:`~fxpooch.errors.ReplanLimitExceeded`. A bad planner, hardware preset,
+    before it raises :class:`~fxpooch.errors.ReplanLimitExceeded`. ``outputs_held``: the caller holds
+    the model's outputs until its backward ends (True: each is planned until the step ends), or
+    drops them before calling backward (False, e.g. ``model(ids, labels=ids).loss.backward()``, where
+    the logits come back next to the loss: each is planned until the forward returns; autograd's zero
+    gradient for it is planned either way). A bad planner, hardware preset,
     ``margin``, ``host_pool_limit``, ``max_plans`` or profile path is reported here, before anything runs.
     """
 
@@ -60,6 +64,7 @@ class CompileOptions:
     margin: Margin | int | str | None = None
     host_pool_limit: int | str | None = None
     max_plans: int = 8
+    outputs_held: bool = True
     #: ``profile`` resolved: "analytic", "measure" or a Profile
     profile_source: str | Profile = field(init=False, repr=False, compare=False)
 
@@ -73,6 +78,9 @@ class CompileOptions:
             parse_bytes(self.host_pool_limit, "host_pool_limit")
         if isinstance(self.max_plans, bool) or not isinstance(self.max_plans, int) or self.max_plans < 1:
             raise InvalidOption(f"max_plans={self.max_plans!r}: pass a whole number of plans, at least 1")
+        if not isinstance(self.outputs_held, bool):
+            raise InvalidOption(f"outputs_held={self.outputs_held!r}: pass True (the caller holds the outputs "
+                                "through the backward) or False (it drops them before calling backward)")
 
     def margin_for(self, device: torch.device) -> Margin:
         if self.margin is None:

@@ -256,6 +256,9 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
                 last[x] = i
             for a in offload_after.get(op_id, ()):
                 emit(Kind.OFFLOAD, -1, a, (), (acts[a].buffer,))
+    for buf in graph.returned_buffers:  # a dropped user output is held until the forward returns
+        if first[buf] >= 0:
+            last[buf] = max(last[buf], len(instrs) - 1)
     for g in reversed(range(len(graph.backward_range))):
         for op_id in range(*graph.backward_range[g]):
             for a in prefetch_at.get(op_id, ()):
