@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+import torch
 
 import fxpooch
 from fxpooch.hardware import Link, LinkCalibration, fit_link
@@ -88,13 +89,18 @@ def test_a_calibrated_host_link_keeps_its_copies_on_the_compute_stream(tmp_path)
 def test_measured_host_link_times_the_copies_a_cpu_run_makes():
     from fxpooch.profile import HOST_LINK_SIZES, ProfileOptions, measure_host_link
 
-    link = measure_host_link(options=ProfileOptions(clock="thread"))
-    assert link.on_compute_stream and link.name == "measured:cpu"
-    assert link.calibration is not None and link.calibration.sizes == HOST_LINK_SIZES
-    assert link.bandwidth > 0 and link.latency >= 0
-    assert measure_host_link(options=ProfileOptions(clock="thread")) is link  # once per process and clock
-    # a CPU step compiled with a measured profile swaps over it: its copies add to the step
-    model, x = ZOO["mlp"]()
-    cm = fxpooch.compile(model, x, "1TiB", planner="swap-all", profile="measure")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the thread clock times one intra-op thread (a copy split over more spins here)
+    try:
+        link = measure_host_link(options=ProfileOptions(clock="thread"))
+        assert link.on_compute_stream and link.name == "measured:cpu"
+        assert link.calibration is not None and link.calibration.sizes == HOST_LINK_SIZES
+        assert link.bandwidth > 0 and link.latency >= 0
+        assert measure_host_link(options=ProfileOptions(clock="thread")) is link  # once per process and clock
+        # a CPU step compiled with a measured profile swaps over it: its copies add to the step
+        model, x = ZOO["mlp"]()
+        cm = fxpooch.compile(model, x, "1TiB", planner="swap-all", profile="measure")
+    finally:
+        torch.set_num_threads(previous)
     assert cm.plan.profile.link.on_compute_stream and cm.plan.profile.link.name == "measured:cpu"
     assert cm.plan.profile.costs(cm.plan.graph).serial_copies

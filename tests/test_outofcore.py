@@ -175,6 +175,13 @@ def test_cpu_profile_clock_is_thread_time_with_one_intra_op_thread(threads, cloc
         ProfileOptions(clock="sundial")
 
 
+def test_repeats_are_summarised_by_their_median_on_the_thread_clock_else_their_least():
+    thread, wall = ProfileOptions(clock="thread"), ProfileOptions(clock="wall")
+    assert thread.summary([3.0, 1.0, 2.0]) == 2.0  # not inflated by load: the typical run
+    assert wall.summary([3.0, 1.0, 2.0]) == 1.0  # load only adds: the least disturbed run
+    assert thread.summary([3.0, 1.0, 2.0], on_cuda=True) == 1.0  # CUDA events: the least
+
+
 def test_margin_is_planned_for_and_shown():
     model, x = mlp()
     with pytest.raises(fxpooch.InfeasibleMemoryLimit) as bare:
