@@ -433,23 +433,24 @@ def measure_host_link(sizes: Sequence[int] = HOST_LINK_SIZES, repeats: int = 5,
                       options: ProfileOptions = ProfileOptions()) -> Link:
     """The copies a CPU run makes in place of swaps, timed on this thread as :func:`measure_profile`
     times the ops (``options``' clock and summary of ``repeats`` after a warm-up): an offload into a
-    reused host block, a prefetch into a new tensor (its allocation included). They run on the
-    compute thread (``on_compute_stream``), so nothing overlaps them. Measured once per process
-    and clock."""
+    reused host block, a prefetch into a new tensor (its allocation included), each repeat on other
+    memory than the last (an activation copied in a step was written long before, not just now: out
+    of cache). They run on the compute thread (``on_compute_stream``), so nothing overlaps them.
+    Measured once per process and clock."""
     clock = _thread_clock if options.thread_clock() else _wall_clock
     key = f"cpu {clock.__name__}"
     if key not in _links:
-        sizes = tuple(sizes)
-        src = torch.ones(max(sizes), dtype=torch.uint8)
-        block = torch.empty_like(src)
+        sizes, span = tuple(sizes), max(sizes)
+        src = torch.ones((repeats + 1) * span, dtype=torch.uint8)  # repeat r copies from [r * span, ...)
+        block = torch.ones_like(src)
 
-        def least(copy: Callable[[int], Any]) -> tuple[float, ...]:
+        def timed(copy: Callable[[int, int], Any]) -> tuple[float, ...]:
             per_size = []
             for size in sizes:
                 times = []
                 for r in range(repeats + 1):  # the first run warms up
                     stop = clock()
-                    out = copy(size)
+                    out = copy(r * span, size)
                     elapsed = stop()
                     del out
                     if r:
@@ -457,8 +458,8 @@ def measure_host_link(sizes: Sequence[int] = HOST_LINK_SIZES, repeats: int = 5,
                 per_size.append(options.summary(times))
             return tuple(per_size)
 
-        d2h = least(lambda n: block[:n].copy_(src[:n]))
-        h2d = least(lambda n: torch.empty(n, dtype=torch.uint8).copy_(block[:n]))
+        d2h = timed(lambda at, n: block[at:at + n].copy_(src[at:at + n]))
+        h2d = timed(lambda at, n: torch.empty(n, dtype=torch.uint8).copy_(block[at:at + n]))
         cal = LinkCalibration("cpu", sizes, d2h, h2d, d2h, h2d)
         _links[key] = Link.calibrated("measured:cpu", cal, on_compute_stream=True)
         log.info("host copies: %s", _links[key])
