@@ -139,6 +139,43 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
+README_BEGIN, README_END = "<!-- planners-sweep: begin -->", "<!-- planners-sweep: end -->"
+
+
+def readme_table(rows: list[dict]) -> str:
+    """Per model: the default planner's worst gaps over presets and limits (markdown)."""
+    lines = [f"| model | ops | activations | limits fitted | worst gap to the best plan | worse than swap-all "
+             f"or checkpoint | worst gap to a tight bound | {DEFAULT} CPU s (max) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        s = summary(mine)
+
+        def pct(v):
+            return "-" if v is None else f"{100 * v:.1f}%"
+
+        lines.append(f"| {model} | {mine[0]['ops']} | {mine[0]['activations']} | {s['default_fits']}/{s['rows']} | "
+                     f"{pct(s['worst_gap_to_best'])} | {s['rows_worse_than_swap_all_or_checkpoint']} | "
+                     f"{pct(s['worst_gap_to_tight_bound'])} ({s['rows_with_tight_bound']} rows) | "
+                     f"{max(r[f'{DEFAULT}_s'] for r in mine):.1f} |")
+    return "\n".join(lines)
+
+
+def write_readme(path: str, rows: list[dict], command: str) -> None:
+    """Replace the table between the README's sweep markers with one made from ``rows``."""
+    with open(path) as f:
+        text = f.read()
+    if README_BEGIN not in text or README_END not in text:
+        return
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    body = (f"\n`{command}` (benchmarks/results/planners_sweep.json; simulated on the analytic cost model, "
+            f"presets {', '.join(sorted({r['hardware'] for r in rows}))}, limits from the floor to 3/4 of the way to "
+            f"in-core; planning CPU seconds on a loaded 2-core machine):\n\n{readme_table(rows)}\n")
+    with open(path, "w") as f:
+        f.write(head + README_BEGIN + body + README_END + tail)
+
+
 def time_picture(rows: list[dict], path: str) -> None:
     """Planning CPU seconds of the default planner against ops, log-log, as a plain SVG."""
     pts = [(r["ops"], r[f"{DEFAULT}_s"]) for r in rows if r[f"{DEFAULT}_s"] > 0]
@@ -211,4 +248,6 @@ def main(quick: bool, out: str, only: set[str] | None = None) -> None:
     with open(out, "w") as f:
         json.dump({"simulated": True, "command": command, "summary": summ, "rows": rows}, f, indent=1)
     time_picture(rows, os.path.join(os.path.dirname(out), "planners_time.svg"))
+    print(readme_table(rows))
+    write_readme(os.path.join(os.path.dirname(__file__), "..", "README.md"), rows, command)
     print(f"wrote {out}")
