@@ -117,7 +117,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.part in ("all", "sweep"):
-        planners_sweep.main(args.quick, os.path.join(os.path.dirname(args.out), "planners_sweep.json"))
+        only = set(args.models.split(",")) if args.models and args.part == "sweep" else None
+        planners_sweep.main(args.quick, os.path.join(os.path.dirname(args.out), "planners_sweep.json"), only)
     if args.part == "sweep":
         return 0
     planners = [p for p in ("pooch", "superneurons", "local") if p in PLANNERS]

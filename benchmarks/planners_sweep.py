@@ -38,7 +38,7 @@ POINTS = (0.0, 0.25, 0.5, 0.75)  # limit = floor + point * (in-core - floor)
 GPT2_DEPTHS_FULL = (2, 6, 12, 24, 48)
 GPT2_DEPTHS_QUICK = (2, 6)
 #: graphs up to this many activations get the LP relaxation's bound, larger ones the cut bound
-LP_UP_TO = 300
+LP_UP_TO = 150  # the LP takes about 30 s per limit at GPT-2 12L's 269 and bounds no better there
 #: the yardsticks: within this of the best plan; of the bound where the bound is tight
 BEST_TOLERANCE, BOUND_TOLERANCE = 0.10, 0.15
 
@@ -99,10 +99,12 @@ def plan_row(base: Plan, limit: int) -> dict:
     return row
 
 
-def run(quick: bool) -> list[dict]:
+def run(quick: bool, only: set[str] | None = None) -> list[dict]:
     rows = []
     presets = ("v100-pcie3", "h100-pcie5") if quick else PRESETS
     for name, build in models(quick):
+        if only is not None and name not in only:
+            continue
         model, x = build()
         for hw in presets:
             t0 = time.process_time()
@@ -135,6 +137,43 @@ def summary(rows: list[dict]) -> dict:
         "rows_with_tight_bound": len(tight),
         "worst_gap_to_tight_bound": max((r["gap_to_bound"] for r in tight), default=None),
     }
+
+
+README_BEGIN, README_END = "<!-- planners-sweep: begin -->", "<!-- planners-sweep: end -->"
+
+
+def readme_table(rows: list[dict]) -> str:
+    """Per model: the default planner's worst gaps over presets and limits (markdown)."""
+    lines = [f"| model | ops | activations | limits fitted | worst gap to the best plan | worse than swap-all "
+             f"or checkpoint | worst gap to a tight bound | {DEFAULT} CPU s (max) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        s = summary(mine)
+
+        def pct(v):
+            return "-" if v is None else f"{100 * v:.1f}%"
+
+        lines.append(f"| {model} | {mine[0]['ops']} | {mine[0]['activations']} | {s['default_fits']}/{s['rows']} | "
+                     f"{pct(s['worst_gap_to_best'])} | {s['rows_worse_than_swap_all_or_checkpoint']} | "
+                     f"{pct(s['worst_gap_to_tight_bound'])} ({s['rows_with_tight_bound']} rows) | "
+                     f"{max(r[f'{DEFAULT}_s'] for r in mine):.1f} |")
+    return "\n".join(lines)
+
+
+def write_readme(path: str, rows: list[dict], command: str) -> None:
+    """Replace the table between the README's sweep markers with one made from ``rows``."""
+    with open(path) as f:
+        text = f.read()
+    if README_BEGIN not in text or README_END not in text:
+        return
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    body = (f"\n`{command}` (benchmarks/results/planners_sweep.json; simulated on the analytic cost model, "
+            f"presets {', '.join(sorted({r['hardware'] for r in rows}))}, limits from the floor to 3/4 of the way to "
+            f"in-core; planning CPU seconds on a loaded 2-core machine):\n\n{readme_table(rows)}\n")
+    with open(path, "w") as f:
+        f.write(head + README_BEGIN + body + README_END + tail)
 
 
 def time_picture(rows: list[dict], path: str) -> None:
@@ -172,8 +211,23 @@ def time_picture(rows: list[dict], path: str) -> None:
         f.write("\n".join(out) + "\n")
 
 
-def main(quick: bool, out: str) -> None:
-    rows = run(quick)
+def merged(rows: list[dict], out: str, quick: bool) -> list[dict]:
+    """``rows`` with the rows of every other model kept from ``out`` (a sweep run model by model),
+    in the sweep's model order."""
+    if not os.path.exists(out):
+        return rows
+    with open(out) as f:
+        old = json.load(f)["rows"]
+    ran = {r["model"] for r in rows}
+    order = {name: k for k, (name, _) in enumerate(models(quick))}
+    kept = [r for r in old if r["model"] not in ran and r["model"] in order]
+    return sorted(kept + rows, key=lambda r: order[r["model"]])  # stable: presets and limits keep their order
+
+
+def main(quick: bool, out: str, only: set[str] | None = None) -> None:
+    rows = run(quick, only)
+    if only is not None:
+        rows = merged(rows, out, quick)
 
     def fmt(v):
         return "fails" if v is None else f"{v:.3f}x"
@@ -189,8 +243,11 @@ def main(quick: bool, out: str) -> None:
     summ = summary(rows)
     print(json.dumps(summ, indent=1))
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    command = "python benchmarks/planners.py --part sweep" + (" --quick" if quick else "")
+    command = "python benchmarks/planners.py --part sweep" + (" --quick" if quick else "") + (
+        " --models <each model in turn>" if only is not None else "")
     with open(out, "w") as f:
         json.dump({"simulated": True, "command": command, "summary": summ, "rows": rows}, f, indent=1)
     time_picture(rows, os.path.join(os.path.dirname(out), "planners_time.svg"))
+    print(readme_table(rows))
+    write_readme(os.path.join(os.path.dirname(__file__), "..", "README.md"), rows, command)
     print(f"wrote {out}")

@@ -259,15 +259,26 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
     for buf in graph.returned_buffers:  # a dropped user output is held until the forward returns
         if first[buf] >= 0:
             last[buf] = max(last[buf], len(instrs) - 1)
+    before = prefetch_at.keys() | wait_at.keys() | recompute_at.keys()  # backward ops with more than a run
+    RUN = Kind.RUN
     for g in reversed(range(len(graph.backward_range))):
         for op_id in range(*graph.backward_range[g]):
-            for a in prefetch_at.get(op_id, ()):
-                emit(Kind.PREFETCH, -1, a, (view[acts[a].buffer],), ())
-            for a in wait_at.get(op_id, ()):
-                emit(Kind.WAIT, -1, a, (), ())
-            for b in recompute_at.get(op_id, ()):
-                recompute_instrs(b)
-            emit(Kind.RUN, op_id, -1, allocs[op_id], tuple([view[buf] for buf in reads[op_id]]))
+            if op_id in before:
+                for a in prefetch_at.get(op_id, ()):
+                    emit(Kind.PREFETCH, -1, a, (view[acts[a].buffer],), ())
+                for a in wait_at.get(op_id, ()):
+                    emit(Kind.WAIT, -1, a, (), ())
+                for b in recompute_at.get(op_id, ()):
+                    recompute_instrs(b)
+            i = len(instrs)
+            new = allocs[op_id]
+            read = tuple([view[buf] for buf in reads[op_id]])
+            instrs.append(make_instr(Instr, (RUN, op_id, -1, new, read)))
+            for x in new:
+                if first[x] < 0:
+                    first[x] = last[x] = i
+            for x in read:
+                last[x] = i
         # autograd holds the incoming gradients for the whole backward call
         for buf in graph.tangent_buffers[g]:
             if last[buf] >= 0:

@@ -38,15 +38,21 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
     """With ``mem_limit``, an allocation that would exceed it waits for pending frees (offloads
     still copying), as the caching allocator does before it reports out of memory."""
     instrs = schedule.instrs
+    n = len(instrs)
     inst_bytes = schedule.instance_bytes
-    alloc_at = schedule.first_alloc
-    new_bytes = [0] * len(instrs)  # device bytes each instruction allocates
-    frees_after: dict[int, list[int]] = {}  # instruction -> instances whose last reader it is
-    for x, a in enumerate(alloc_at):
-        if a >= 0 and inst_bytes[x]:
-            new_bytes[a] += inst_bytes[x]
-            if not schedule.persistent[x]:
-                frees_after.setdefault(schedule.last_reader[x], []).append(x)
+    persistent, last_reader = schedule.persistent, schedule.last_reader
+    new_bytes = [0] * n  # device bytes each instruction allocates
+    frees_after: list[list[int] | None] = [None] * n  # instruction -> instances it last reads
+    for x, a in enumerate(schedule.first_alloc):
+        nbytes = inst_bytes[x]
+        if a >= 0 and nbytes:
+            new_bytes[a] += nbytes
+            if not persistent[x]:
+                r = last_reader[x]
+                if frees_after[r] is None:
+                    frees_after[r] = [x]
+                else:
+                    frees_after[r].append(x)
     # the forward's instructions come first: its ops, each followed by its offloads
     forward_last = sum(stop - start for start, stop in graph.forward_range) - 1 + sum(
         d is Decision.SWAP for d in schedule.decisions)
@@ -56,15 +62,17 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
     op_time, d2h_time, h2d_time, serial = costs.op_time, costs.d2h_time, costs.h2d_time, costs.serial_copies
     pending: list[tuple[float, int]] = []  # heap of (free time, bytes) of frees still ahead
     live = graph.resident_bytes
-    start, end = [], []
+    start, end = [0.0] * n, [0.0] * n
     # memory events (time, order, delta); order puts an instruction's allocs before its frees
     timed: list[tuple[float, float, int]] = []
+    event = timed.append
     t = d2h = h2d = 0.0
     d2h_end: dict[int, float] = {}
     h2d_end: dict[int, float] = {}
     copied_until: dict[int, float] = {}  # offloaded instance -> its D2H end (it is read until then)
     stall: dict[int, float] = {}
-    for i, (kind, op, act, _, reads) in enumerate(instrs):
+    for i, instr in enumerate(instrs):
+        kind = instr[0]
         need = new_bytes[i]
         if need:
             if kind is not OFFLOAD:
@@ -76,37 +84,45 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
                         t = when
                     live -= nbytes
                 live += need
-            timed.append((t, i, need))
+            event((t, i, need))
         if kind is RUN or kind is RECOMPUTE:
             s = t
-            t = e = t + op_time[op]
+            t = e = t + op_time[instr[1]]
         elif kind is OFFLOAD:
+            act = instr[2]
             s = d2h if d2h > t else t
             d2h = e = s + d2h_time[act]
-            d2h_end[act] = copied_until[reads[0]] = e
+            d2h_end[act] = copied_until[instr[4][0]] = e
             if serial:
                 t = e
         elif kind is PREFETCH:
+            act = instr[2]
             s = max(h2d, t, d2h_end.get(act, 0.0))
             h2d = e = s + h2d_time[act]
             h2d_end[act] = e
             if serial:
                 t = e
         else:  # WAIT
+            act = instr[2]
             s = t
             ready = h2d_end.get(act, t)
             if ready > t:
                 stall[act] = ready - t
                 t = ready
             e = t
-        start.append(s)
-        end.append(e)
+        start[i] = s
+        end[i] = e
         # compute-stream times never decrease, so an instance is free once its last reader ends,
         # or its offload does if that is later; frees not after the compute stream's time are
         # taken at once (every later allocation happens no earlier)
+        frees = frees_after[i]
+        if frees is None:
+            continue
         freed_now = 0
-        for x in frees_after.get(i, ()):
-            when = max(e, copied_until.get(x, 0.0))
+        for x in frees:
+            when = copied_until.get(x, 0.0) if copied_until else 0.0
+            if when < e:
+                when = e
             if when == t:
                 freed_now += inst_bytes[x]
                 continue
@@ -114,10 +130,10 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
                 live -= inst_bytes[x]
             else:
                 heapq.heappush(pending, (when, inst_bytes[x]))
-            timed.append((when, i + 0.5, -inst_bytes[x]))
+            event((when, i + 0.5, -inst_bytes[x]))
         if freed_now:
             live -= freed_now
-            timed.append((t, i + 0.5, -freed_now))
+            event((t, i + 0.5, -freed_now))
     timed.sort()  # nearly sorted already: only delayed frees are out of order
     cur = peak = graph.resident_bytes
     memory = []

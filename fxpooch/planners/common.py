@@ -92,11 +92,12 @@ def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
     return placed
 
 
-def simulation_budget(graph: StepGraph, work: int, at_most: int) -> int:
+def simulation_budget(graph: StepGraph, work: int, at_most: int, at_least: int = 1) -> int:
     """Simulations that ``work`` op-simulations buy on ``graph`` (one simulation of a step of n ops
-    costs n), at least one and at most ``at_most``: a budget that does not depend on the machine,
-    with a planning time linear in the graph's size."""
-    return max(1, min(at_most, work // max(1, len(graph.ops))))
+    costs n), at least ``at_least`` and at most ``at_most``: a budget that does not depend on the
+    machine. Up to ``work / at_least`` ops the planning time stays about the same, past it it grows
+    linearly with the graph's size."""
+    return max(1, at_least, min(at_most, work // max(1, len(graph.ops))))
 
 
 class Evaluator:

@@ -35,6 +35,10 @@ class SearchOptions:
     #: time linear in the graph's size. On this project's 2-core machine a 2,000-op step plans in
     #: about 5 s.
     work: int = 500_000
+    #: fewest simulations the search gets however large the graph (PoocH's seed included): its
+    #: group moves need about as many as a block has kinds of activation times a few, whatever
+    #: the depth, so past ``work / min_simulations`` ops the planning time grows linearly
+    min_simulations: int = 200
     #: most simulations the search runs however small the graph
     max_simulations: int = 50_000
     #: largest number of activations the exact search accepts: its worst case is 3**n
@@ -74,27 +78,25 @@ def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
 def repeated_groups(ev: Evaluator) -> list[list[int]]:
     """Activations that play the same part in repeated blocks (transformer layers, residual
     stages): same producing op target, bytes and member count; groups of two or more, largest
-    total bytes first, each in program order, with its halves (input side, output side)."""
+    total bytes first, each in program order."""
     graph = ev.graph
     by_kind: dict[tuple, list[int]] = {}
     for a, act in enumerate(graph.activations):
         key = (graph.ops[act.producer].target, graph.buffers[act.buffer].nbytes, len(act.members))
         by_kind.setdefault(key, []).append(a)
-    groups = sorted((g for g in by_kind.values() if len(g) > 1),
-                    key=lambda g: (-len(g) * graph.buffers[graph.activations[g[0]].buffer].nbytes, g[0]))
-    out = []
-    for g in groups:
-        half = len(g) // 2
-        out.extend([g, g[:half], g[half:]] if half > 1 else [g])
-    return out
+    return sorted((g for g in by_kind.values() if len(g) > 1),
+                  key=lambda g: (-len(g) * graph.buffers[graph.activations[g[0]].buffer].nbytes, g[0]))
 
 
-def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
-    """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group (or
-    half of one) to keep, swap or recompute: a few simulations cover every layer of a deep model."""
-    stop_at = ev.simulations + simulations
+def halves(groups: list[list[int]]) -> list[list[int]]:
+    """Each group's input-side and output-side halves (those of two or more members)."""
+    return [part for g in groups for part in (g[:len(g) // 2], g[len(g) // 2:]) if len(part) > 1]
+
+
+def group_descent(ev: Evaluator, seed: Candidate, groups: list[list[int]], stop_at: int) -> Candidate:
+    """First-improvement descent where each move sets a whole group to keep, swap or recompute,
+    until no move helps or ``ev.simulations`` reaches ``stop_at``."""
     best = seed
-    groups = repeated_groups(ev)
     acts = ev.graph.activations
     improved = True
     while improved and ev.simulations < stop_at:
@@ -112,7 +114,20 @@ def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
                 c = ev.evaluate(trial)
                 if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
                     best, improved = c, True
-    log.info("group search: %.4g s -> %.4g s (%d groups)", seed.step_time, best.step_time, len(groups))
+    return best
+
+
+def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
+    """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group to
+    keep, swap or recompute: a few simulations cover every layer of a deep model, however deep.
+    Whole groups first until no move helps, then their halves as well (a plan that differs
+    between the input-side and output-side layers)."""
+    stop_at = ev.simulations + simulations
+    groups = repeated_groups(ev)
+    best = group_descent(ev, seed, groups, stop_at)
+    best = group_descent(ev, best, groups + halves(groups), stop_at)
+    log.info("group search: %.4g s -> %.4g s (%d kinds, %d simulations)", seed.step_time, best.step_time,
+             len(groups), ev.simulations - stop_at + simulations)
     return best
 
 
@@ -136,9 +151,9 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     enough for the exact search, branch and bound from there with the simulations left (the
     optimum when it finishes)."""
     ev = Evaluator(problem)
-    stop_at = simulation_budget(problem.graph, options.work, options.max_simulations)
+    stop_at = simulation_budget(problem.graph, options.work, options.max_simulations, options.min_simulations)
     best = seeds(ev, "local")
-    best = group_search(ev, best, max(0, (stop_at - ev.simulations) // 2))
+    best = group_search(ev, best, max(0, stop_at - ev.simulations))
     best = local_search(ev, best, max(0, stop_at - ev.simulations))
     if len(problem.graph.activations) <= options.max_exact and ev.simulations < stop_at:
         search = _branch_and_bound(ev, best, stop_at)

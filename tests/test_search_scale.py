@@ -1,0 +1,121 @@
+"""The default planner at scale: budgets counted in simulations (never in seconds), plans that do
+not depend on the clock, group moves over repeated blocks, and never a plan slower than the
+reference plans it starts from.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from types import SimpleNamespace
+
+import pytest
+from test_search import problem
+
+from stepgraphs import CONV, RELU, chain
+from fxpooch.errors import InfeasibleMemoryLimit
+from fxpooch.planners import Evaluator, Problem, get_planner
+from fxpooch.planners.common import simulation_budget
+from fxpooch.planners.search import SearchOptions, halves, plan_local, repeated_groups
+from fxpooch.schedule import Decision
+from fxpooch.simulator import in_core_peak_bytes
+
+K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
+
+
+def deep_chain(blocks: int, xfer: float):
+    """``blocks`` repeats of (conv 2 s, relu 0.5 s), 2 MiB each, then a loss; each copy ``xfer`` s."""
+    n = 2 * blocks
+    return chain([2.0, 0.5] * blocks, [0.5, 4.0] * blocks, [2] * n, [(xfer, xfer)] * n, loss=0.5,
+                 targets=[CONV, RELU] * blocks)
+
+
+@pytest.mark.parametrize("ops, work, at_most, at_least, expected", [
+    (1_000, 500_000, 50_000, 200, 500),  # work / ops
+    (10, 500_000, 50_000, 200, 50_000),  # capped on tiny graphs
+    (8_000, 500_000, 50_000, 200, 200),  # the floor on large graphs: time grows linearly from here
+    (2_500, 500_000, 50_000, 200, 200),
+    (8_000, 500_000, 50_000, 1, 62),  # without a floor the budget shrinks as the graph grows
+    (10**9, 1, 1, 1, 1),  # always at least one
+])
+def test_simulation_budget(ops, work, at_most, at_least, expected):
+    sized = SimpleNamespace(ops=range(ops))  # all the budget reads of a graph: its number of ops
+    assert simulation_budget(sized, work, at_most, at_least) == expected
+
+
+def test_repeated_groups_and_halves():
+    graph, costs = deep_chain(4, 1.0)
+    ev = Evaluator(Problem(graph, costs, in_core_peak_bytes(graph)))
+    acts = graph.activations
+    groups = repeated_groups(ev)
+    # the convolutions' outputs, then the relus' (same bytes: the earlier first member first)
+    assert [[acts[a].name for a in g] for g in groups] == [["a1", "a3", "a5", "a7"], ["a2", "a4", "a6", "a8"]]
+    assert [[acts[a].name for a in g] for g in halves(groups)] == [["a1", "a3"], ["a5", "a7"], ["a2", "a4"],
+                                                                   ["a6", "a8"]]
+
+
+@pytest.mark.parametrize("blocks", [4, 8, 16])
+@pytest.mark.parametrize("xfer", [0.2, 1.0, 3.0])
+@pytest.mark.parametrize("fraction", [0.3, 0.5, 0.7])
+def test_local_beats_every_plan_uniform_over_repeated_blocks(blocks, xfer, fraction):
+    """With only its floor of simulations, local is at least as fast as each plan that gives every
+    member of a repeated group the same decision (the plans its group moves reach)."""
+    graph, costs = deep_chain(blocks, xfer)
+    prob = Problem(graph, costs, int(in_core_peak_bytes(graph) * fraction))
+    ev = Evaluator(prob)
+    groups = repeated_groups(ev)
+    uniform = []
+    for choice in itertools.product(Decision, repeat=len(groups)):
+        decisions = [K] * len(graph.activations)
+        for group, d in zip(groups, choice):
+            for a in group:
+                decisions[a] = d
+        c = ev.evaluate(decisions)
+        if c is not None and c.fits:
+            uniform.append(c.step_time)
+    assert uniform  # every case here has a fitting uniform plan
+    local = plan_local(prob, SearchOptions(work=1, min_simulations=60))
+    assert local.fits and local.timeline.peak_bytes <= prob.mem_limit
+    assert local.step_time <= min(uniform) * (1 + 1e-12)
+
+
+class _Clock:
+    """A clock that jumps an hour each time it is read: a planner with a time guard would stop."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 3600.0
+        return self.now
+
+
+@pytest.mark.parametrize("name, hardware, fraction", [
+    ("mlp", "v100-pcie3", 0.0),
+    ("cnn_bn", "v100-nvlink2", 0.3),
+    ("resnet_small", "h100-pcie5", 0.5),
+    ("transformer_block", "v100-pcie3", 0.25),
+])
+def test_local_plans_do_not_depend_on_the_clock(monkeypatch, name, hardware, fraction):
+    prob = problem(name, fraction, hardware)
+    first = get_planner("local")(prob)
+    for clock in ("perf_counter", "process_time", "monotonic", "time"):
+        monkeypatch.setattr(time, clock, _Clock())
+    again = get_planner("local")(prob)
+    assert again.decisions == first.decisions
+    assert again.schedule.prefetch_before == first.schedule.prefetch_before
+    assert again.step_time == first.step_time
+
+
+@pytest.mark.parametrize("name", ["cnn_bn", "resnet_small", "transformer_block"])
+@pytest.mark.parametrize("hardware", ["v100-pcie3", "v100-nvlink2", "h100-pcie5"])
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 0.75])
+def test_local_never_slower_than_the_reference_plans(name, hardware, fraction):
+    prob = problem(name, fraction, hardware)
+    local = get_planner("local")(prob)
+    assert local.fits and local.timeline.peak_bytes <= prob.mem_limit
+    for reference in ("swap-all", "checkpoint", "checkpoint-all", "pooch"):
+        try:
+            other = get_planner(reference)(prob)
+        except InfeasibleMemoryLimit:
+            continue
+        assert local.step_time <= other.step_time * (1 + 1e-12), reference
