@@ -212,7 +212,7 @@ class Bench:
             pred_static_peak=plan.static_peak_bytes, pred_in_core_peak=plan.in_core_peak_bytes,
             pred_slowdown=plan.step_time / plan.in_core_time, counts=plan.counts()))
         self.ready(m)
-        m.row["host_pool"] = cm.host_pool_bytes
+        m.row.update(host_pool=cm.host_pool_bytes, over_limit=m.row["peak"] - plan.mem_limit)
 
     def budget(self, limit: str) -> None:
         """torch.compile with the largest ``activation_memory_budget`` whose measured peak is at most
@@ -310,13 +310,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     out = [[r["model"], r["method"], r["limit"] + (f" ({r['mem_limit'] / MiB:.1f})" if "mem_limit" in r else ""),
             r["status"], f(r.get("peak") and r["peak"] / MiB, "{:.1f}"),
             f(r.get("peak") and r["peak"] / eager[r["model"]], "{:.2f}"),
-            f(r.get("pred_peak") and r["pred_peak"] / MiB, "{:.1f}"), f(r.get("vs_eager"), "{:.2f}"),
+            f(r.get("pred_peak") and r["pred_peak"] / MiB, "{:.1f}"),
+            f(r.get("over_limit") and r["over_limit"] / MiB, "{:+.1f}"), f(r.get("vs_eager"), "{:.2f}"),
             f(r.get("step_s") and 1e3 * r["step_s"], "{:.0f}"),
             f(r.get("counts") and "{keep}/{swap}/{recompute}".format(**r["counts"]), "{}"),
             f(r.get("host_pool") and r["host_pool"] / MiB, "{:.1f}"), f(r.get("grad_err"), "{:.0e}"),
             f(r.get("vs_target"), "{:.2f}"), r.get("target", ""),
             "" if "met" not in r else ("met" if r["met"] else "MISSED")] for r in rows]
-    return tabulate(out, headers=["model", "method", "limit", "status", "peak MiB", "peak/eager", "plan MiB",
+    return tabulate(out, headers=["model", "method", "limit (MiB)", "status", "peak MiB", "peak/eager", "plan MiB",
+                                  "peak-limit",
                                   "time/eager", "ms", "keep/swap/rec", "host MiB", "grad err", "vs target",
                                   "target", ""])
 
