@@ -274,8 +274,10 @@ class Bench:
             log.info("%s round %d/%d", self.model, r + 1, rounds)
         eager = times[id(live[0])]
         for m in live:
+            ratios = [t / e for t, e in zip(times[id(m)], eager)]
+            q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
             m.row.update(step_s=statistics.median(times[id(m)]), steps_s=times[id(m)],
-                         vs_eager=statistics.median(t / e for t, e in zip(times[id(m)], eager)))
+                         vs_eager=statistics.median(ratios), vs_eager_iqr=q3 - q1)
 
 
 def judge(rows: list[dict[str, Any]]) -> None:
@@ -312,6 +314,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f(r.get("peak") and r["peak"] / eager[r["model"]], "{:.2f}"),
             f(r.get("pred_peak") and r["pred_peak"] / MiB, "{:.1f}"),
             f(r.get("over_limit") and r["over_limit"] / MiB, "{:+.1f}"), f(r.get("vs_eager"), "{:.2f}"),
+            f(r.get("vs_eager_iqr"), "{:.2f}"),
             f(r.get("step_s") and 1e3 * r["step_s"], "{:.0f}"),
             f(r.get("counts") and "{keep}/{swap}/{recompute}".format(**r["counts"]), "{}"),
             f(r.get("host_pool") and r["host_pool"] / MiB, "{:.1f}"), f(r.get("grad_err"), "{:.0e}"),
@@ -319,7 +322,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             "" if "met" not in r else ("met" if r["met"] else "MISSED")] for r in rows]
     return tabulate(out, headers=["model", "method", "limit (MiB)", "status", "peak MiB", "peak/eager", "plan MiB",
                                   "peak-limit",
-                                  "time/eager", "ms", "keep/swap/rec", "host MiB", "grad err", "vs target",
+                                  "time/eager", "IQR", "ms", "keep/swap/rec", "host MiB", "grad err", "vs target",
                                   "target", ""])
 
 

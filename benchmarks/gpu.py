@@ -210,8 +210,9 @@ class Run:
         self.args = args
         self.deadline = time.monotonic() + args.time_budget if args.time_budget > 0 else float("inf")
         self.rows: dict[tuple[Config, str], dict[str, Any]] = {}
-        # a profile's fingerprint does not see shapes, so one is only ever reused for its own batch
-        self.profiles: dict[Config, fxpooch.Profile] = {}
+        # a profile's fingerprint does not see shapes, so one is only ever reused for its own batch, and
+        # only by its own code generator (what runs, and so each op's time, depends on it)
+        self.profiles: dict[tuple[Config, str], fxpooch.Profile] = {}
 
     @property
     def planners(self) -> list[str]:
@@ -266,10 +267,10 @@ class Run:
         # captured and profiled under the cap too: capture holds no activations, the profile is per node
         with memory_cap(cfg.limit), autocast(cfg.dtype):
             cm = codegen.compile_with(cg, model, inputs, cfg.limit, planner=planner,
-                                      profile=self.profiles.get(cfg, "measure"))
+                                      profile=self.profiles.get((cfg, cg), "measure"))
             row["compile_peak"] = torch.cuda.max_memory_allocated()
         plan = cm.plan
-        self.profiles.setdefault(cfg, plan.profile)
+        self.profiles.setdefault((cfg, cg), plan.profile)
         row.update(plan_s=time.perf_counter() - t0, pred_s=plan.step_time, pred_peak=plan.peak_bytes,
                    pred_static_peak=plan.static_peak_bytes, pred_in_core_s=plan.in_core_time,
                    pred_in_core_peak=plan.in_core_peak_bytes, counts=plan.counts(), resident=plan.graph.resident_bytes,
