@@ -147,6 +147,9 @@ def measure_peak(m: Method, inputs: tuple, resident: int) -> int:
 
 
 class Bench:
+    """One model's methods: built, checked and measured one by one (``build_all``), then timed
+    together (``time_rounds``); ``methods[i].row`` are the table's rows."""
+
     def __init__(self, args: argparse.Namespace, model: str):
         self.args, self.model = args, model
         self.base, self.inputs = build(model)
@@ -165,11 +168,10 @@ class Bench:
     def fresh(self) -> nn.Module:
         return copy.deepcopy(self.base)
 
-    def ready(self, m: Method, warmup: int = 1) -> Method:
-        """Warm ``m`` (compiles), check its gradients against eager's, measure its peak; add it."""
+    def ready(self, m: Method) -> Method:
+        """Run ``m`` once (it compiles), check its gradients against the fp64 step's, measure its
+        peak on a second step; add it."""
         t0 = time.perf_counter()
-        for _ in range(warmup - 1):
-            m.step(self.inputs)
         m.step(self.inputs, zero=False)
         errs = grad_errors(m.model, self.ref)
         if bad := {n: f"{e:.1e} > {self.tol[n]:.1e}" for n, e in errs.items() if e > self.tol[n]}:
