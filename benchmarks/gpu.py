@@ -1,5 +1,6 @@
-"""GPU benchmark: fxpooch's planners against in-core, torch.compile's activation budget,
-``save_on_cpu`` and full activation checkpointing, under a real device-memory limit.
+"""GPU benchmark: fxpooch's planners (and code generators) against in-core, torch.compile in-core,
+torch.compile's activation budget, ``save_on_cpu`` and full activation checkpointing, under a real
+device-memory limit.
 
     python benchmarks/gpu.py                      # ResNet-50 fp32 + bf16 and GPT-2, 3 batches each
     python benchmarks/gpu.py --quick              # ResNet-50 fp32, limit = 1/3 of in-core, pooch only
@@ -37,6 +38,8 @@ from fxpooch import _torch_compat as compat
 from fxpooch import models as zoo
 from fxpooch.memory import Margin
 from fxpooch.units import format_bytes, parse_bytes
+
+import codegen
 
 log = logging.getLogger("fxpooch.bench.gpu")
 HERE = Path(__file__).resolve().parent
@@ -193,7 +196,11 @@ def attempt(row: dict[str, Any], thunk: Callable[[], dict[str, Any] | None]) -> 
 
 # -- methods ------------------------------------------------------------------------------------
 #: run in passes over all configurations (3x first), so the time budget cuts the least important
-PASSES = (("in-core", "fxpooch:pooch"), ("save_on_cpu", "checkpoint", "torch.compile budget"))
+#: fxpooch rows are "fxpooch:<planner>", or "fxpooch:<planner> <codegen>" for a code generator but the
+#: default one (benchmarks/codegen.py; "n/a" where this fxpooch lacks it)
+INDUCTOR_POOCH = f"fxpooch:pooch {codegen.CODEGENS[1]}"
+PASSES = (("in-core", "torch.compile", "fxpooch:pooch", INDUCTOR_POOCH),
+          ("save_on_cpu", "checkpoint", "torch.compile budget"))
 
 
 class Run:
@@ -203,8 +210,9 @@ class Run:
         self.args = args
         self.deadline = time.monotonic() + args.time_budget if args.time_budget > 0 else float("inf")
         self.rows: dict[tuple[Config, str], dict[str, Any]] = {}
-        # a profile's fingerprint does not see shapes, so one is only ever reused for its own batch
-        self.profiles: dict[Config, fxpooch.Profile] = {}
+        # a profile's fingerprint does not see shapes, so one is only ever reused for its own batch, and
+        # only by its own code generator (what runs, and so each op's time, depends on it)
+        self.profiles: dict[tuple[Config, str], fxpooch.Profile] = {}
 
     @property
     def planners(self) -> list[str]:
@@ -233,11 +241,17 @@ class Run:
         name, cap = row["method"], cfg.limit
         model, inputs = build(cfg.model, cfg.batch, "cuda", self.args.gpt_layers)
         if name.startswith("fxpooch:"):
-            return self.fxpooch(cfg, name.removeprefix("fxpooch:"), model, inputs, row)
+            planner, _, cg = name.removeprefix("fxpooch:").partition(" ")
+            if not codegen.available(cg := cg or codegen.CODEGENS[0]):
+                return {"status": codegen.NOT_AVAILABLE}
+            return self.fxpooch(cfg, planner, cg, model, inputs, row)
         if name == "torch.compile budget":
             return self.compile_budget(cfg, model, inputs, row)
         if name == "in-core":
             return self.steps(model, model, inputs, cfg, None)
+        if name == "torch.compile":  # inductor, in-core (uncapped, as in-core is)
+            fn = torch.compile(compat.fresh_entry(model, f"bench_{cfg.name}_{cfg.batch}_compile".replace("-", "_")))
+            return self.steps(fn, model, inputs, cfg, None)
         if name == "save_on_cpu":
             return self.steps(model, model, inputs, cfg, cap,
                               around=lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
@@ -247,15 +261,16 @@ class Run:
     def steps(self, fn: Callable, model: nn.Module, inputs: tuple, cfg: Config, cap: int | None, **kw) -> dict:
         return timed_steps(fn, model, inputs, cfg.dtype, cap, self.args.warmup, self.args.steps, **kw)
 
-    def fxpooch(self, cfg: Config, planner: str, model: WithLoss, inputs: tuple, row: dict[str, Any]) -> dict:
+    def fxpooch(self, cfg: Config, planner: str, cg: str, model: WithLoss, inputs: tuple, row: dict[str, Any]) -> dict:
         t0 = time.perf_counter()
         clean()
         # captured and profiled under the cap too: capture holds no activations, the profile is per node
         with memory_cap(cfg.limit), autocast(cfg.dtype):
-            cm = fxpooch.compile(model, inputs, cfg.limit, planner=planner, profile=self.profiles.get(cfg, "measure"))
+            cm = codegen.compile_with(cg, model, inputs, cfg.limit, planner=planner,
+                                      profile=self.profiles.get((cfg, cg), "measure"))
             row["compile_peak"] = torch.cuda.max_memory_allocated()
         plan = cm.plan
-        self.profiles.setdefault(cfg, plan.profile)
+        self.profiles.setdefault((cfg, cg), plan.profile)
         row.update(plan_s=time.perf_counter() - t0, pred_s=plan.step_time, pred_peak=plan.peak_bytes,
                    pred_static_peak=plan.static_peak_bytes, pred_in_core_s=plan.in_core_time,
                    pred_in_core_peak=plan.in_core_peak_bytes, counts=plan.counts(), resident=plan.graph.resident_bytes,
@@ -266,9 +281,10 @@ class Run:
 
     def compile_budget(self, cfg: Config, model: WithLoss, inputs: tuple, row: dict[str, Any]) -> dict:
         """torch.compile (inductor) with activation_memory_budget bisected until its measured peak
-        reaches pooch's measured peak (the limit where pooch did not run)."""
+        reaches pooch's lowest measured peak over its code generators (the limit where pooch did not run)."""
         pooch, in_core = self.rows[cfg, "fxpooch:pooch"], self.rows[cfg, "in-core"]
-        target = pooch["peak"] if pooch["status"] == "ok" else cfg.limit
+        peaks = [r["peak"] for r in (pooch, self.rows[cfg, INDUCTOR_POOCH]) if r["status"] == "ok"]
+        target = min(peaks, default=cfg.limit)
         peak_in, resident = in_core.get("peak", int(cfg.ratio * cfg.limit)), pooch.get("resident", 0)
         lo, hi = 0.0, 1.0
         budget = min(1.0, max(0.02, (target - resident) / max(1, peak_in - resident)))
@@ -353,8 +369,9 @@ def dry_run(args: argparse.Namespace) -> int:
                 planned.append(f"{planner}: infeasible (floor {format_bytes(e.min_feasible_bytes)})")
         rows.append(row + (["; ".join(planned)] if planned else []))
     print(f"dry run on meta: limit {format_bytes(args.limit)}, analytic costs of {args.hardware} (simulated); "
-          f"methods per configuration: in-core, fxpooch:{{{','.join(planners)}}}, save_on_cpu, checkpoint, "
-          "torch.compile budget")
+          f"methods per configuration: in-core, torch.compile, fxpooch:{{{','.join(planners)}}}, {INDUCTOR_POOCH} "
+          f"({'available' if codegen.available(codegen.CODEGENS[1]) else codegen.NOT_AVAILABLE}), save_on_cpu, "
+          "checkpoint, torch.compile budget")
     print(tabulate(rows, headers=["config", "batch", "in-core/limit", "fxpooch floor", "fits"]
                    + (["planned peak, predicted slowdown"] if args.dry_run_plan else [])))
     return 0
