@@ -51,19 +51,23 @@ class GraphPair:
     def __post_init__(self) -> None:
         self.bind(_boxed_copy(self.forward), _boxed_copy(self.backward))
 
-    def bind(self, forward: fx.GraphModule, backward: fx.GraphModule) -> None:
-        """Execute ``forward``/``backward`` (boxed GraphModules) from now on."""
+    def bind(self, forward: fx.GraphModule, backward: fx.GraphModule,
+             code: tuple[Callable[[list[Any]], Any], Callable[[list[Any]], Any]] | None = None) -> None:
+        """Execute ``forward``/``backward`` from now on: the boxed GraphModules themselves, or
+        ``code``, the boxed callables a code generator compiled from exactly these two modules."""
         self.run_forward, self.run_backward = forward, backward
+        #: what runs: the (forward, backward) boxed callables
+        self.code = code if code is not None else (forward, backward)
 
     def call_forward(self, args: list[Any]) -> Any:
         runner = self.on_run(self, args) if self.on_run is not None else None
         with self.runtime():
-            return (runner or self.run_forward)(args)
+            return (runner or self.code[0])(args)
 
     def call_backward(self, args: list[Any]) -> Any:
         self.backward_calls += 1
         with self.runtime():
-            return self.run_backward(args)
+            return self.code[1](args)
 
     @property
     def saved_nodes(self) -> list[fx.Node]:
@@ -190,7 +194,7 @@ class UnplannedGraph(Exception):
 class Recorder:
     """The dynamo backend: records each graph pair and checks that a step runs only planned pairs."""
 
-    def __init__(self) -> None:
+    def __init__(self, decompositions: dict | None = None) -> None:
         #: entered (``runtime.entered()``) around each call of a pair's forward or backward; None: nothing
         self.runtime: Any = None
         self.pairs: list[GraphPair] = []
@@ -200,7 +204,9 @@ class Recorder:
         self.seen: list[GraphPair] = []  # pairs of the running step so far
         self.causes: dict[GraphPair, str] = {}  # why dynamo compiled each pair (its recompile reasons)
         self._known_reasons = set(compat.recompile_reasons())
-        self.backend = compat.aot_backend(self._fw_compiler, self._bw_compiler, self._partition)
+        #: ``decompositions``: what AOTAutograd decomposes while tracing (None: its default; inductor's
+        #: table when the rewritten graphs are compiled by inductor, which lowers only decomposed ops)
+        self.backend = compat.aot_backend(self._fw_compiler, self._bw_compiler, self._partition, decompositions)
 
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         fw, bw = compat.default_partition(joint, joint_inputs, **kwargs)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .codegen import check_codegen
 from .errors import InvalidOption, InvalidProfile
 from .hardware import Hardware, Link, get_hardware
 from .limits import default_margin
@@ -48,8 +49,10 @@ class CompileOptions:
     available when compiling; a plan needing more is warned about); exceeding it raises
     :class:`~fxpooch.errors.HostPoolExhausted`. ``max_plans``: how many plans (one per set of
     graphs dynamo compiles for a step, input signature and gradient state) a compiled module makes
-    before it raises :class:`~fxpooch.errors.ReplanLimitExceeded`. A bad planner, hardware preset,
-    ``margin``, ``host_pool_limit``, ``max_plans`` or profile path is reported here, before anything runs.
+    before it raises :class:`~fxpooch.errors.ReplanLimitExceeded`. ``codegen``: how the rewritten
+    graphs run, "fx" (op by op) or "inductor" (compiled; see :mod:`fxpooch.codegen`). A bad planner,
+    hardware preset, ``margin``, ``host_pool_limit``, ``max_plans``, ``codegen`` or profile path is
+    reported here, before anything runs.
     """
 
     planner: str | Planner = "local"
@@ -60,6 +63,7 @@ class CompileOptions:
     margin: Margin | int | str | None = None
     host_pool_limit: int | str | None = None
     max_plans: int = 8
+    codegen: str = "fx"
     #: ``profile`` resolved: "analytic", "measure" or a Profile
     profile_source: str | Profile = field(init=False, repr=False, compare=False)
 
@@ -69,6 +73,7 @@ class CompileOptions:
         ProfileOptions(self.profile_mode)  # ... an unknown mode
         self.margin_for(torch.device("cpu"))  # ... a malformed margin
         object.__setattr__(self, "profile_source", resolve_profile_source(self.profile))
+        check_codegen(self.codegen)
         if self.host_pool_limit is not None:
             parse_bytes(self.host_pool_limit, "host_pool_limit")
         if isinstance(self.max_plans, bool) or not isinstance(self.max_plans, int) or self.max_plans < 1:

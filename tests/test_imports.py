@@ -25,7 +25,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("plan", {"plan"}),
     ("inspect", {"whatif", "report", "explain", "svg", "trace"}),
     ("passes", {"passes", "passes.meta", "passes.offload", "passes.swapin", "passes.rewrite", "passes.slots"}),
-    ("runtime", {"hostpool", "runtime"}),
+    ("runtime", {"hostpool", "runtime", "codegen"}),
     ("api", {"options", "pipeline", "api"}),
     ("entry points", {"demo", "__main__", "__init__"}),
 ]
