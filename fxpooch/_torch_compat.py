@@ -48,6 +48,17 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], is_backward:
         return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
 
 
+def register_backend(name: str, compiler_fn: Callable) -> None:
+    """Give ``compiler_fn`` a ``torch.compile(backend=name)`` name, unless dynamo has it already: as
+    a registered function, or as a ``torch_dynamo_backends`` entry point that it loads itself
+    (registering it here too would make dynamo's own registration fail as a duplicate)."""
+    from torch._dynamo.backends import registry
+
+    if name in registry._COMPILER_FNS or registry._BACKENDS.get(name) is not None:
+        return
+    registry.register_backend(compiler_fn, name=name)
+
+
 def storage_key(value: Any) -> int | None:
     """Identity of the (fake or real) storage behind a tensor, or None for non-tensors."""
     if not isinstance(value, torch.Tensor):

@@ -253,8 +253,9 @@ class _Planned:
     def key(self) -> tuple:
         return tuple(self.pairs), self.grads
 
-    def bind(self) -> None:
-        """Make the pairs run this plan's rewritten graphs (rewritten and compiled once, on first use)."""
+    def bind(self, only: GraphPair | None = None, runtime: Runtime | None = None) -> None:
+        """Make the pairs (or ``only`` one of them) run this plan's rewritten graphs (rewritten and
+        compiled once, on first use), their ops on ``runtime`` if given (else the pair's own)."""
         from fxpooch.passes import rewrite_pair
 
         if self.rewritten is None:
@@ -266,7 +267,10 @@ class _Planned:
                         compile_graph(rewritten.backward, self.codegen, is_backward=True))
                 self.rewritten.append((rewritten.forward, rewritten.backward, code))
         for pair, (forward, backward, code) in zip(self.pairs, self.rewritten):
-            pair.bind(forward, backward, code)
+            if only is None or pair is only:
+                pair.bind(forward, backward, code)
+                if runtime is not None:
+                    pair.runtime = runtime.entered
 
 
 def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, planner: str | Planner,

@@ -47,6 +47,8 @@ class GraphPair:
     backward_calls: int = field(default=0, init=False)
     #: entered around each forward and backward call: the runtime state its ops run on
     runtime: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext, repr=False)
+    #: called after each backward call
+    after_backward: Callable[[GraphPair], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.bind(_boxed_copy(self.forward), _boxed_copy(self.backward))
@@ -67,7 +69,10 @@ class GraphPair:
     def call_backward(self, args: list[Any]) -> Any:
         self.backward_calls += 1
         with self.runtime():
-            return self.code[1](args)
+            out = self.code[1](args)
+        if self.after_backward is not None:
+            self.after_backward(self)
+        return out
 
     @property
     def saved_nodes(self) -> list[fx.Node]:
@@ -194,7 +199,12 @@ class UnplannedGraph(Exception):
 class Recorder:
     """The dynamo backend: records each graph pair and checks that a step runs only planned pairs."""
 
-    def __init__(self, decompositions: dict | None = None) -> None:
+    def __init__(self, decompositions: dict | None = None,
+                 on_run: Callable[[GraphPair, list[Any]], Callable[[list[Any]], Any] | None] | None = None,
+                 after_backward: Callable[[GraphPair], None] | None = None) -> None:
+        #: ``on_run`` / ``after_backward``: given to each pair (see :class:`GraphPair`); by default the
+        #: recorder's own check that a step runs only planned pairs
+        self.on_run, self.after_backward = on_run or self._note_run, after_backward
         #: entered (``runtime.entered()``) around each call of a pair's forward or backward; None: nothing
         self.runtime: Any = None
         self.pairs: list[GraphPair] = []
@@ -211,8 +221,8 @@ class Recorder:
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         fw, bw = compat.default_partition(joint, joint_inputs, **kwargs)
         save_all_primals(fw, bw, kwargs["num_fwd_outputs"])
-        pair = GraphPair(len(self.pairs), fw, bw, kwargs["num_fwd_outputs"], on_run=self._note_run,
-                         runtime=self._runtime)
+        pair = GraphPair(len(self.pairs), fw, bw, kwargs["num_fwd_outputs"], on_run=self.on_run,
+                         runtime=self._runtime, after_backward=self.after_backward)
         # the index, not the pair: AOTAutograd deep-copies the backward module (meta included)
         # before compiling it lazily, and the pair must stay the one object that runs
         fw.meta[_PAIR_KEY] = bw.meta[_PAIR_KEY] = pair.index
