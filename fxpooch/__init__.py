@@ -3,7 +3,7 @@
     cm = fxpooch.compile(model, example_input, mem_limit="16GiB")
     loss = loss_fn(cm(x)); loss.backward(); opt.step()
 
-or inside torch.compile (every graph dynamo compiles is planned; see :mod:`fxpooch.backend`)::
+or inside torch.compile (every graph dynamo compiles is planned; see :mod:`fxpooch.torch_backend`)::
 
     model = torch.compile(model, backend=fxpooch.backend(mem_limit="16GiB"))
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from . import runtime as _runtime  # noqa: F401  (registers the fxpooch:: ops)
 from .api import CompiledModule, CompileOptions, compile, plan
-from .backend import Backend, backend
+from .torch_backend import Backend, backend, named_backend
 from .errors import (FxpoochError, HostPoolExhausted, InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidOption, InvalidProfile,
                      PendingBackward, ReplanLimitExceeded, UnknownName, UnsupportedModel)
 from .memory import Margin
@@ -30,6 +30,6 @@ __version__ = "0.1.0"
 __all__ = [
     "HARDWARE_PRESETS", "PLANNERS", "Backend", "CompileOptions", "CompiledModule", "FxpoochError", "Hardware",
     "HostPoolExhausted", "InfeasibleMemoryLimit", "Margin", "InvalidMemoryLimit", "InvalidOption", "InvalidProfile", "Link", "Plan", "Profile",
-    "PendingBackward", "ReplanLimitExceeded", "TracedStep", "UnknownName", "UnsupportedModel", "backend", "compile", "plan",
+    "PendingBackward", "ReplanLimitExceeded", "TracedStep", "UnknownName", "UnsupportedModel", "backend", "compile", "named_backend", "plan",
     "plan_graph", "profile_step", "replan", "trace_step",
 ]

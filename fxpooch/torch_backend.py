@@ -1,4 +1,4 @@
-"""``fxpooch.backend``: fxpooch as a ``torch.compile`` backend, so every graph dynamo compiles is planned.
+"""``fxpooch.backend(...)``: fxpooch as a ``torch.compile`` backend, so every graph dynamo compiles is planned.
 
     model = torch.compile(model, backend=fxpooch.backend(mem_limit="16GiB"))
     model = torch.compile(model, backend="fxpooch", options={"mem_limit": "16GiB", "planner": "local"})
@@ -38,7 +38,7 @@ from . import _torch_compat as compat
 from .api import _Planned, _profile_and_plan
 from .capture import GraphPair, Recorder
 from .codegen import decompositions
-from .errors import InvalidMemoryLimit, InvalidOption, ReplanLimitExceeded
+from .errors import InvalidMemoryLimit, InvalidOption, ReplanLimitExceeded, UnsupportedModel
 from .graph import build_step_graph
 from .limits import resolve_limit
 from .memory import MemoryModel
@@ -134,6 +134,11 @@ class Backend:
 
     # -- the dynamo backend ----------------------------------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
+        if any(_symbolic(v) for v in example_inputs):
+            raise UnsupportedModel(
+                "dynamo compiled this graph with dynamic shapes (it has seen inputs of several sizes), and "
+                "fxpooch plans the bytes of fixed sizes: compile with torch.compile(model, backend=..., "
+                "dynamic=False); each input size then gets its own plan (up to max_plans)")
         return self.recorder.backend(gm, example_inputs)
 
     # -- inspection ------------------------------------------------------------------------
@@ -235,6 +240,12 @@ class Backend:
         return runtime
 
 
+def _symbolic(value: Any) -> bool:
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*value.shape, *value.stride()))
+
+
 def _device(args: list[Any]) -> torch.device:
     for t in args:
         if isinstance(t, torch.Tensor):
@@ -284,13 +295,19 @@ def registered(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str,
     if mode not in (None, "default"):
         raise InvalidOption(f"mode={mode!r}: the fxpooch backend takes no torch.compile mode; pass its options "
                             "with options={...}")
+    return named_backend(options)(gm, example_inputs)
+
+
+def named_backend(options: dict[str, Any] | None = None) -> Backend:
+    """The :class:`Backend` that ``torch.compile(..., backend="fxpooch", options=options)`` uses (made
+    now if no graph was compiled with these options yet), to inspect its plans."""
     options = dict(options or {})
     key = repr(sorted(options.items())) + os.environ.get(ENV_MEM_LIMIT, "")
     if key not in _NAMED:
         _NAMED[key] = backend(options.pop("mem_limit", None), **options)
-    return _NAMED[key](gm, example_inputs)
+    return _NAMED[key]
 
 
 compat.register_backend("fxpooch", registered)
 
-__all__ = ["ENV_MEM_LIMIT", "Backend", "backend", "registered"]
+__all__ = ["ENV_MEM_LIMIT", "Backend", "backend", "named_backend", "registered"]
