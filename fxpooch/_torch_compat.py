@@ -59,6 +59,13 @@ def register_backend(name: str, compiler_fn: Callable) -> None:
     registry.register_backend(compiler_fn, name=name)
 
 
+def borrowed_storage(owner: torch.Tensor) -> torch.UntypedStorage:
+    """A storage on ``owner``'s memory that does not own it: a storage of its own (its own identity,
+    freed when its last view is), while the memory stays ``owner``'s to free."""
+    storage = owner.untyped_storage()
+    return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), owner.device, storage.nbytes())
+
+
 def storage_key(value: Any) -> int | None:
     """Identity of the (fake or real) storage behind a tensor, or None for non-tensors."""
     if not isinstance(value, torch.Tensor):

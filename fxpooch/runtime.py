@@ -97,7 +97,9 @@ class Runtime:
         copy = HostCopy(block)
         with self.pool.lock:
             self.slots[slot] = copy  # an earlier copy still in the slot returns its block when it is freed
-        weakref.finalize(host, self._dropped, slot, copy)
+        # on the storage (the block's view has one of its own), not on this tensor object: a compiled graph
+        # may return another tensor object on it (a view it re-strides), and the copy lives as long as any
+        weakref.finalize(host.untyped_storage(), self._dropped, slot, copy)
         if x.device.type != "cuda":
             host.copy_(x)
             return host
