@@ -229,7 +229,8 @@ def _profile_and_plan(step: TracedStep, mem_limit: int | InCoreShare, options: C
     margin = options.margin_for(step.device)
     # Step 2, profile: seconds per op (measured under the limit less the margin, or analytic)
     profile = profile_step(step, options.profile_source, hardware=options.hardware, link=options.link,
-                           mode=options.profile_mode, mem_limit=mem_limit - margin.of(mem_limit))
+                           mode=options.profile_mode, mem_limit=mem_limit - margin.of(mem_limit),
+                           fused=options.codegen == "inductor")
     # Step 3, plan: keep / swap / recompute per activation, simulated
     return plan_graph(step.graph, step.table, profile, mem_limit, planner=options.planner, margin=margin)
 

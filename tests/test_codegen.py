@@ -98,3 +98,31 @@ def test_inductor_runs_the_inspected_graphs_with_their_copies_in_place():
 def test_codegen_is_checked_when_built():
     with pytest.raises(fxpooch.UnknownName, match="codegen"):
         fxpooch.CompileOptions(codegen="triton")
+
+
+class PointwiseChain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(512, 512), nn.Linear(512, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x) * 2 + 1)  # the product is read by the sum only (nothing saves it)
+
+
+def test_fused_costs_price_a_pointwise_chain_as_one_kernel():
+    from fxpooch.costmodel import is_pointwise
+    from fxpooch.hardware import get_hardware
+    from fxpooch.profile import analytic_profile
+
+    step = fxpooch.trace_step(PointwiseChain(), (torch.randn(512, 512),))
+    hw = get_hardware("v100-pcie3")
+    plain, fused = (analytic_profile(step.graph, step.table, hw, fused=f).costs(step.graph).op_time for f in (False, True))
+    chain = [i for i, n in enumerate(step.table.nodes) if n.target in (torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor)
+             and n.graph is step.pairs[0].forward.graph]
+    others = [i for i, n in enumerate(step.table.nodes) if not is_pointwise(n)]
+    assert len(chain) == 2
+    # mul -> add in one kernel: one read of the 1 MiB input, one write, one launch (not two of each)
+    one_mib = 2**20 / hw.mem_bandwidth
+    assert sum(plain[i] for i in chain) == pytest.approx(4 * one_mib + 2 * hw.launch_overhead, rel=0.05)
+    assert sum(fused[i] for i in chain) == pytest.approx(2 * one_mib + hw.launch_overhead, rel=0.05)
+    assert [fused[i] for i in others] == [plain[i] for i in others]
