@@ -61,11 +61,12 @@ class _Storages:
     """Storages seen in a step, by identity: bytes, and a weak reference that says whether it still lives."""
 
     memory: MemoryModel
+    device: torch.device
     live: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
 
     def add(self, values: Any) -> None:
         for t in compat.tree_leaves(values):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            if isinstance(t, torch.Tensor) and t.device == self.device:  # host copies are not device memory
                 key = compat.storage_key(t)
                 if key not in self.live:
                     self.live[key] = (weakref.ref(t.untyped_storage()), self.memory.storage_bytes(t))
@@ -82,13 +83,14 @@ class _Step:
     """The pairs of the step running now, what they read and what they returned."""
 
     memory: MemoryModel
+    device: torch.device
     pairs: list[GraphPair] = field(default_factory=list)
     inputs: _Storages = None  # type: ignore[assignment]
     outputs: _Storages = None  # type: ignore[assignment]  # all of them: user outputs and saved values
     made: set[int] = field(default_factory=set)  # storages of the user outputs (the next graphs' inputs)
 
     def __post_init__(self) -> None:
-        self.inputs, self.outputs = _Storages(self.memory), _Storages(self.memory)
+        self.inputs, self.outputs = _Storages(self.memory, self.device), _Storages(self.memory, self.device)
 
     def returned(self, pair: GraphPair, out: Any) -> None:
         self.outputs.add(out)
@@ -97,7 +99,7 @@ class _Step:
 
     def held_bytes(self, args: list[Any]) -> int:
         """What is resident for a pair about to run with ``args``: what the step holds, and its inputs."""
-        held = _Storages(self.memory, {**self.inputs.live, **self.outputs.live})
+        held = _Storages(self.memory, self.device, {**self.inputs.live, **self.outputs.live})
         held.add(args)
         return held.bytes()
 
@@ -170,7 +172,7 @@ class Backend:
     def _on_forward(self, pair: GraphPair, args: list[Any]) -> Callable[[list[Any]], Any]:
         device = _device(args)
         if self._step is None or pair in self._step.pairs:  # a new step (the last one's backward never ran)
-            self._step = _Step(MemoryModel.for_device(device))
+            self._step = _Step(MemoryModel.for_device(device), device)
         step = self._step
         if not step.pairs and self._done is not None:
             self._plan_finished_step(device)
