@@ -205,6 +205,8 @@ class Recorder:
         #: ``on_run`` / ``after_backward``: given to each pair (see :class:`GraphPair`); by default the
         #: recorder's own check that a step runs only planned pairs
         self.on_run, self.after_backward = on_run or self._note_run, after_backward
+        #: compiles an inference graph (grad disabled: nothing to plan); None: it runs as it is
+        self.inference: Callable[[fx.GraphModule, list[Any]], Callable] | None = None
         #: entered (``runtime.entered()``) around each call of a pair's forward or backward; None: nothing
         self.runtime: Any = None
         self.pairs: list[GraphPair] = []
@@ -242,7 +244,7 @@ class Recorder:
         if index is None:
             # grad disabled (no_grad / inference_mode): AOTAutograd compiled an inference graph
             # without a partition. Nothing is saved for a backward, so there is nothing to plan.
-            return gm
+            return gm if self.inference is None else self.inference(gm, list(example_inputs))
         return _boxed(self.pairs[index], backward=False)
 
     def _bw_compiler(self, gm: fx.GraphModule, example_inputs: Any):

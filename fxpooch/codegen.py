@@ -58,6 +58,11 @@ def compile_graph(gm: fx.GraphModule, codegen: str, *, is_backward: bool) -> Box
     return compiled
 
 
+def compile_inference(gm: fx.GraphModule, example_inputs: list[Any]) -> Boxed:
+    """An inference graph (grad disabled: nothing saved, nothing planned) compiled by inductor."""
+    return compat.inductor_compile(gm, example_inputs, is_backward=False)
+
+
 def _plain_copy(graph: fx.Graph) -> fx.Graph:
     """A copy of ``graph`` with the default (unboxed) calling convention, as inductor expects."""
     new = fx.Graph()

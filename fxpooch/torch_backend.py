@@ -37,7 +37,7 @@ import torch.fx as fx
 from . import _torch_compat as compat
 from .api import _Planned, _profile_and_plan
 from .capture import GraphPair, Recorder
-from .codegen import decompositions
+from .codegen import compile_inference, decompositions
 from .errors import InvalidMemoryLimit, InvalidOption, ReplanLimitExceeded, UnsupportedModel
 from .graph import build_step_graph
 from .limits import resolve_limit
@@ -123,6 +123,8 @@ class Backend:
         self.host_pool = HostPool() if limit is None else HostPool(limit_bytes=parse_bytes(limit, "host_pool_limit"))
         self.recorder = Recorder(decompositions(options.codegen), on_run=self._on_forward,
                                  after_backward=self._after_backward)
+        if options.codegen == "inductor":  # evaluation graphs (no_grad) are compiled too, unplanned
+            self.recorder.inference = compile_inference
         #: whole-step plans, by the step's pairs
         self.plans: dict[tuple[GraphPair, ...], _Planned] = {}
         self._alone: dict[GraphPair, _Planned] = {}  # each pair planned alone, when it first ran

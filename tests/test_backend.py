@@ -79,6 +79,18 @@ def test_backend_plans_the_step_as_one_and_matches_inductor_within_the_limit():
     assert "fxpooch.offload" in forward.source_code or "fxpooch.drop" in forward.source_code
 
 
+def test_evaluation_under_no_grad_runs_inductor_code_unplanned():
+    model, x = model_and_input(512)
+    be = fxpooch.backend(mem_limit="1TiB")
+    compiled = torch.compile(model, backend=be, dynamic=False)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), torch.compile(copy.deepcopy(model), backend="inductor")(x),
+                                   **INDUCTOR_TOL)
+    assert not be.plans and not be.recorder.pairs  # nothing to plan: no graph pair was made
+    train_step(compiled, x)  # a training step after evaluation is planned as usual
+    assert be.plan.counts()["keep"] > 0
+
+
 def test_a_recompiled_graph_is_planned_too():
     model, x = model_and_input()
     reference = copy.deepcopy(model)
