@@ -3,6 +3,10 @@
     cm = fxpooch.compile(model, example_input, mem_limit="16GiB")
     loss = loss_fn(cm(x)); loss.backward(); opt.step()
 
+or inside torch.compile (every graph dynamo compiles is planned; see :mod:`fxpooch.torch_backend`)::
+
+    model = torch.compile(model, backend=fxpooch.backend(mem_limit="16GiB"))
+
 The stages, one call each (see :mod:`fxpooch.pipeline`): ``trace_step`` -> ``profile_step`` ->
 ``plan_graph`` -> ``Plan``; ``replan`` plans a Plan's graph again for another planner or limit.
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 from . import runtime as _runtime  # noqa: F401  (registers the fxpooch:: ops)
 from .api import CompiledModule, CompileOptions, compile, plan
+from .torch_backend import Backend, backend, named_backend
 from .errors import (FxpoochError, HostPoolExhausted, InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidOption, InvalidProfile,
                      PendingBackward, ReplanLimitExceeded, UnknownName, UnsupportedModel)
 from .memory import Margin
@@ -23,8 +28,8 @@ from .profile import Profile
 __version__ = "0.1.0"
 
 __all__ = [
-    "HARDWARE_PRESETS", "PLANNERS", "CompileOptions", "CompiledModule", "FxpoochError", "Hardware",
+    "HARDWARE_PRESETS", "PLANNERS", "Backend", "CompileOptions", "CompiledModule", "FxpoochError", "Hardware",
     "HostPoolExhausted", "InfeasibleMemoryLimit", "Margin", "InvalidMemoryLimit", "InvalidOption", "InvalidProfile", "Link", "Plan", "Profile",
-    "PendingBackward", "ReplanLimitExceeded", "TracedStep", "UnknownName", "UnsupportedModel", "compile", "plan",
+    "PendingBackward", "ReplanLimitExceeded", "TracedStep", "UnknownName", "UnsupportedModel", "backend", "compile", "named_backend", "plan",
     "plan_graph", "profile_step", "replan", "trace_step",
 ]

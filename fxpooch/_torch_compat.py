@@ -11,11 +11,21 @@ import torch
 import torch.fx as fx
 
 
-def aot_backend(fw_compiler: Callable, bw_compiler: Callable, partition_fn: Callable) -> Callable:
-    """A ``torch.compile`` backend: dynamo -> AOTAutograd with our partitioner and compilers."""
+def aot_backend(fw_compiler: Callable, bw_compiler: Callable, partition_fn: Callable,
+                decompositions: dict | None = None) -> Callable:
+    """A ``torch.compile`` backend: dynamo -> AOTAutograd with our partitioner and compilers
+    (``decompositions``: the ops AOTAutograd decomposes while tracing; None: its default)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn)
+    extra = {} if decompositions is None else {"decompositions": decompositions}
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn, **extra)
+
+
+def inductor_decompositions() -> dict:
+    """The decompositions inductor has AOTAutograd apply, so a captured graph is one inductor can lower."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
 
 
 def default_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -23,6 +33,37 @@ def default_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -
     from torch._functorch.partitioners import default_partition as _default
 
     return _default(joint, joint_inputs, **kwargs)
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], is_backward: bool) -> Callable[[list[Any]], Any]:
+    """``gm`` (an AOTAutograd forward or backward graph, its placeholders' ``meta["val"]`` fake
+    tensors as ``example_inputs``) compiled by inductor, as a boxed callable (it takes one list and
+    clears it). Inductor's own reordering for peak memory is off: the graph's order is the plan's."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    fake_mode = detect_fake_mode(example_inputs)
+    with tracing(TracingContext(fake_mode)), config.patch(reorder_for_peak_memory=False):
+        return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+
+
+def register_backend(name: str, compiler_fn: Callable) -> None:
+    """Give ``compiler_fn`` a ``torch.compile(backend=name)`` name, unless dynamo has it already: as
+    a registered function, or as a ``torch_dynamo_backends`` entry point that it loads itself
+    (registering it here too would make dynamo's own registration fail as a duplicate)."""
+    from torch._dynamo.backends import registry
+
+    if name in registry._COMPILER_FNS or registry._BACKENDS.get(name) is not None:
+        return
+    registry.register_backend(compiler_fn, name=name)
+
+
+def borrowed_storage(owner: torch.Tensor) -> torch.UntypedStorage:
+    """A storage on ``owner``'s memory that does not own it: a storage of its own (its own identity,
+    freed when its last view is), while the memory stays ``owner``'s to free."""
+    storage = owner.untyped_storage()
+    return torch._C._construct_storage_from_data_pointer(storage.data_ptr(), owner.device, storage.nbytes())
 
 
 def storage_key(value: Any) -> int | None:

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from . import _torch_compat as compat
 from .capture import GraphPair, Recorder, StepSnapshot, UnplannedGraph
+from .codegen import compile_graph, decompositions
 from .debug import dump_graphs
 from .errors import InvalidMemoryLimit, PendingBackward, ReplanLimitExceeded, UnsupportedModel
 from .graph import NodeTable, StepGraph
@@ -82,7 +83,7 @@ class CompiledModule(nn.Module):
         self.model = model
         self.mem_limit = mem_limit
         self.options = options
-        self._recorder = Recorder()
+        self._recorder = Recorder(decompositions(options.codegen))
         self._compiled = compile_entry(model, self._recorder)
         self._plans: dict[tuple, _Planned] = {}  # (graph pairs of the step, gradient state) -> plan
         self._predicted: dict[tuple, tuple] = {}  # what the Python side sees -> plan key last used for it
@@ -110,12 +111,20 @@ class CompiledModule(nn.Module):
 
     @property
     def forward_graphs(self) -> list[torch.fx.GraphModule]:
-        """The rewritten forward GraphModules of the current plan, in execution order (the objects that run)."""
+        """The rewritten forward GraphModules of the current plan, in execution order: the objects
+        that run (``codegen="fx"``), or the exact input of the code that runs (``codegen="inductor"``)."""
         return [p.run_forward for p in self._current.pairs]
 
     @property
     def backward_graphs(self) -> list[torch.fx.GraphModule]:
         return [p.run_backward for p in self._current.pairs]
+
+    @property
+    def graph_code(self) -> list[tuple[Any, Any]]:
+        """What runs for each graph pair of the current plan: its (forward, backward) callables, the
+        GraphModules themselves (``codegen="fx"``) or inductor's compiled graphs (``"inductor"``;
+        ``.source_code`` is the generated code)."""
+        return [p.code for p in self._current.pairs]
 
     # -- running ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -208,7 +217,7 @@ class CompiledModule(nn.Module):
             log.warning("planning again, with a new capture and profile (%d plans so far, compiled.replans = %d): "
                         "%s. Inputs of many different shapes, e.g. variable-length batches, should be padded to "
                         "a few fixed shapes", len(self._plans), self.replans, cause)
-        planned = _Planned.of(_profile_and_plan(step, self.mem_limit, self.options), step)
+        planned = _Planned.of(_profile_and_plan(step, self.mem_limit, self.options), step, self.options.codegen)
         self.host_pool.check_plan(planned.plan.host_bytes)
         self._plans[planned.key] = planned
         return planned
@@ -221,7 +230,8 @@ def _profile_and_plan(step: TracedStep, mem_limit: int | InCoreShare, options: C
     margin = options.margin_for(step.device)
     # Step 2, profile: seconds per op (measured under the limit less the margin, or analytic)
     profile = profile_step(step, options.profile_source, hardware=options.hardware, link=options.link,
-                           mode=options.profile_mode, mem_limit=mem_limit - margin.of(mem_limit))
+                           mode=options.profile_mode, mem_limit=mem_limit - margin.of(mem_limit),
+                           fused=options.codegen == "inductor")
     # Step 3, plan: keep / swap / recompute per activation, simulated
     return plan_graph(step.graph, step.table, profile, mem_limit, planner=options.planner, margin=margin)
 
@@ -234,32 +244,35 @@ class _Planned:
     pairs: list[GraphPair]
     changed_buffers: list[tuple[nn.Module, str]]
     grads: tuple[bool, ...]
-    rewritten: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule]] | None = None
+    codegen: str = "fx"
+    rewritten: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule, tuple]] | None = None
 
     @classmethod
-    def of(cls, plan: Plan, step: TracedStep) -> _Planned:
-        return cls(plan, step.graph, step.table, step.pairs, step.changed_buffers, step.grads)
+    def of(cls, plan: Plan, step: TracedStep, codegen: str = "fx") -> _Planned:
+        return cls(plan, step.graph, step.table, step.pairs, step.changed_buffers, step.grads, codegen)
 
     @property
     def key(self) -> tuple:
         return tuple(self.pairs), self.grads
 
-    def bind(self) -> None:
-        """Make the pairs run this plan's rewritten graphs (rewritten once, on first use)."""
+    def bind(self, only: GraphPair | None = None, runtime: Runtime | None = None) -> None:
+        """Make the pairs (or ``only`` one of them) run this plan's rewritten graphs (rewritten and
+        compiled once, on first use), their ops on ``runtime`` if given (else the pair's own)."""
         from fxpooch.passes import rewrite_pair
-
-        from ._torch_compat import set_boxed_codegen
 
         if self.rewritten is None:
             self.rewritten = []
             for g, pair in enumerate(self.pairs):
                 rewritten = rewrite_pair(g, self.graph, self.table, self.plan.schedule)
                 dump_graphs(g, pair, rewritten)
-                set_boxed_codegen(rewritten.forward)
-                set_boxed_codegen(rewritten.backward)
-                self.rewritten.append((rewritten.forward, rewritten.backward))
-        for pair, (forward, backward) in zip(self.pairs, self.rewritten):
-            pair.bind(forward, backward)
+                code = (compile_graph(rewritten.forward, self.codegen, is_backward=False),
+                        compile_graph(rewritten.backward, self.codegen, is_backward=True))
+                self.rewritten.append((rewritten.forward, rewritten.backward, code))
+        for pair, (forward, backward, code) in zip(self.pairs, self.rewritten):
+            if only is None or pair is only:
+                pair.bind(forward, backward, code)
+                if runtime is not None:
+                    pair.runtime = runtime.entered
 
 
 def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, planner: str | Planner,
@@ -306,7 +319,8 @@ def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner:
 def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str | Planner = "local",
             profile: str | Profile | os.PathLike = "measure", hardware: str | Hardware | None = None,
             link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None,
-            host_pool_limit: int | str | None = None, max_plans: int = 8, outputs_held: bool = True) -> CompiledModule:
+            host_pool_limit: int | str | None = None, max_plans: int = 8, outputs_held: bool = True,
+            codegen: str = "fx") -> CompiledModule:
     """Plan ``model``'s training step to fit ``mem_limit`` and return a module that runs that plan.
 
     ``mem_limit``: bytes (an int, ``"16GiB"``, ``"16GB"``, ``"16G"`` = 16 GiB), ``"60%"`` (of the
@@ -316,14 +330,15 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
     The model's forward runs once here to trace it, without holding its activations (its
     buffers and the RNG state are put back); a measured profile times each node in situ if the
     in-core step fits, else each node alone. The returned module's backward puts gradients on
-    ``model``'s parameters. ``profile_mode``, ``margin``, ``host_pool_limit``, ``max_plans`` and
-    ``outputs_held`` (False when the caller drops the outputs before calling backward): see
-    :class:`CompileOptions`.
+    ``model``'s parameters. ``codegen``: "fx" runs the rewritten graphs op by op, "inductor"
+    compiles them (:mod:`fxpooch.codegen`). ``profile_mode``, ``margin``, ``host_pool_limit``,
+    ``max_plans`` and ``outputs_held`` (False when the caller drops the outputs before calling
+    backward): see :class:`CompileOptions`.
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
     options = CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link, profile_mode=profile_mode,
                              margin=margin, host_pool_limit=host_pool_limit, max_plans=max_plans,
-                             outputs_held=outputs_held)
+                             outputs_held=outputs_held, codegen=codegen)
     compiled = CompiledModule(model, limit, options)
     compiled._prepare(args, kwargs)
     return compiled

@@ -47,23 +47,32 @@ class GraphPair:
     backward_calls: int = field(default=0, init=False)
     #: entered around each forward and backward call: the runtime state its ops run on
     runtime: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext, repr=False)
+    #: called after each backward call
+    after_backward: Callable[[GraphPair], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.bind(_boxed_copy(self.forward), _boxed_copy(self.backward))
 
-    def bind(self, forward: fx.GraphModule, backward: fx.GraphModule) -> None:
-        """Execute ``forward``/``backward`` (boxed GraphModules) from now on."""
+    def bind(self, forward: fx.GraphModule, backward: fx.GraphModule,
+             code: tuple[Callable[[list[Any]], Any], Callable[[list[Any]], Any]] | None = None) -> None:
+        """Execute ``forward``/``backward`` from now on: the boxed GraphModules themselves, or
+        ``code``, the boxed callables a code generator compiled from exactly these two modules."""
         self.run_forward, self.run_backward = forward, backward
+        #: what runs: the (forward, backward) boxed callables
+        self.code = code if code is not None else (forward, backward)
 
     def call_forward(self, args: list[Any]) -> Any:
         runner = self.on_run(self, args) if self.on_run is not None else None
         with self.runtime():
-            return (runner or self.run_forward)(args)
+            return (runner or self.code[0])(args)
 
     def call_backward(self, args: list[Any]) -> Any:
         self.backward_calls += 1
         with self.runtime():
-            return self.run_backward(args)
+            out = self.code[1](args)
+        if self.after_backward is not None:
+            self.after_backward(self)
+        return out
 
     @property
     def saved_nodes(self) -> list[fx.Node]:
@@ -190,7 +199,14 @@ class UnplannedGraph(Exception):
 class Recorder:
     """The dynamo backend: records each graph pair and checks that a step runs only planned pairs."""
 
-    def __init__(self) -> None:
+    def __init__(self, decompositions: dict | None = None,
+                 on_run: Callable[[GraphPair, list[Any]], Callable[[list[Any]], Any] | None] | None = None,
+                 after_backward: Callable[[GraphPair], None] | None = None) -> None:
+        #: ``on_run`` / ``after_backward``: given to each pair (see :class:`GraphPair`); by default the
+        #: recorder's own check that a step runs only planned pairs
+        self.on_run, self.after_backward = on_run or self._note_run, after_backward
+        #: compiles an inference graph (grad disabled: nothing to plan); None: it runs as it is
+        self.inference: Callable[[fx.GraphModule, list[Any]], Callable] | None = None
         #: entered (``runtime.entered()``) around each call of a pair's forward or backward; None: nothing
         self.runtime: Any = None
         self.pairs: list[GraphPair] = []
@@ -200,13 +216,15 @@ class Recorder:
         self.seen: list[GraphPair] = []  # pairs of the running step so far
         self.causes: dict[GraphPair, str] = {}  # why dynamo compiled each pair (its recompile reasons)
         self._known_reasons = set(compat.recompile_reasons())
-        self.backend = compat.aot_backend(self._fw_compiler, self._bw_compiler, self._partition)
+        #: ``decompositions``: what AOTAutograd decomposes while tracing (None: its default; inductor's
+        #: table when the rewritten graphs are compiled by inductor, which lowers only decomposed ops)
+        self.backend = compat.aot_backend(self._fw_compiler, self._bw_compiler, self._partition, decompositions)
 
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         fw, bw = compat.default_partition(joint, joint_inputs, **kwargs)
         save_all_primals(fw, bw, kwargs["num_fwd_outputs"])
-        pair = GraphPair(len(self.pairs), fw, bw, kwargs["num_fwd_outputs"], on_run=self._note_run,
-                         runtime=self._runtime)
+        pair = GraphPair(len(self.pairs), fw, bw, kwargs["num_fwd_outputs"], on_run=self.on_run,
+                         runtime=self._runtime, after_backward=self.after_backward)
         # the index, not the pair: AOTAutograd deep-copies the backward module (meta included)
         # before compiling it lazily, and the pair must stay the one object that runs
         fw.meta[_PAIR_KEY] = bw.meta[_PAIR_KEY] = pair.index
@@ -226,7 +244,7 @@ class Recorder:
         if index is None:
             # grad disabled (no_grad / inference_mode): AOTAutograd compiled an inference graph
             # without a partition. Nothing is saved for a backward, so there is nothing to plan.
-            return gm
+            return gm if self.inference is None else self.inference(gm, list(example_inputs))
         return _boxed(self.pairs[index], backward=False)
 
     def _bw_compiler(self, gm: fx.GraphModule, example_inputs: Any):

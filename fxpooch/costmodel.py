@@ -24,7 +24,7 @@ from .opkind import is_kernel_free
 from . import _torch_compat as compat
 from ._torch_compat import OpOverload, tree_leaves, tree_map
 
-__all__ = ["is_kernel_free", "node_flops", "node_bytes", "analytic_time", "tensor_nbytes"]
+__all__ = ["is_kernel_free", "node_flops", "node_bytes", "analytic_time", "fused_time", "is_pointwise", "tensor_nbytes"]
 
 log = logging.getLogger("fxpooch.costmodel")
 
@@ -153,3 +153,24 @@ def analytic_time(node: fx.Node, hw: Hardware) -> float:
     compute = node_flops(node) / hw.peak_flops(_out_dtype(node))
     memory = node_bytes(node) / hw.mem_bandwidth
     return max(compute, memory) + hw.launch_overhead
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    """A kernel-launching elementwise op (``torch.Tag.pointwise``): one a fusing compiler merges
+    with its pointwise producers and consumers."""
+    return (node.op == "call_function" and not is_kernel_free(node)
+            and torch.Tag.pointwise in getattr(node.target, "tags", ()))
+
+
+def fused_time(node: fx.Node, hw: Hardware) -> float:
+    """Roofline seconds for ``node`` when a fusing compiler (inductor) runs its graph: a pointwise
+    op does not read the values its pointwise producers computed (they stay in registers), and
+    when every reader of its output is pointwise too it writes nothing and launches no kernel of
+    its own (it runs inside its readers'). Other ops cost :func:`analytic_time`."""
+    if not is_pointwise(node):
+        return analytic_time(node, hw)
+    read = sum(_val_bytes(arg) for arg in node.all_input_nodes if not is_pointwise(arg))
+    fused_into_readers = bool(node.users) and all(is_pointwise(u) for u in node.users)
+    written = 0 if fused_into_readers else _val_bytes(node)
+    compute = node_flops(node) / hw.peak_flops(_out_dtype(node))
+    return max(compute, (read + written) / hw.mem_bandwidth) + (0.0 if fused_into_readers else hw.launch_overhead)

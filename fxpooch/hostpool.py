@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _torch_compat as compat
 from .errors import HostPoolExhausted
 from .limits import host_available_bytes
 from .units import format_bytes
@@ -27,8 +28,11 @@ class Block:
         return self.data.numel()
 
     def view(self, like: torch.Tensor) -> torch.Tensor:
-        """A tensor on this block with ``like``'s shape, strides and dtype."""
-        return torch.empty(0, dtype=like.dtype).set_(self.data.untyped_storage(), 0, like.shape, like.stride())
+        """A tensor on this block with ``like``'s shape, strides and dtype, on a storage of its own that
+        borrows the block's memory: the storage dies when the copy's last view does (whatever tensor
+        objects a compiled graph made of it), while the block stays the pool's."""
+        storage = compat.borrowed_storage(self.data)
+        return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape, like.stride())
 
 
 @dataclass

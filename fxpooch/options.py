@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .codegen import check_codegen
 from .errors import InvalidOption, InvalidProfile
 from .hardware import Hardware, Link, get_hardware
 from .limits import default_margin
@@ -52,8 +53,10 @@ class CompileOptions:
     the model's outputs until its backward ends (True: each is planned until the step ends), or
     drops them before calling backward (False, e.g. ``model(ids, labels=ids).loss.backward()``, where
     the logits come back next to the loss: each is planned until the forward returns; autograd's zero
-    gradient for it is planned either way). A bad planner, hardware preset,
-    ``margin``, ``host_pool_limit``, ``max_plans`` or profile path is reported here, before anything runs.
+    gradient for it is planned either way). ``codegen``: how the rewritten graphs run, "fx" (op by
+    op) or "inductor" (compiled; see :mod:`fxpooch.codegen`). A bad planner, hardware preset,
+    ``margin``, ``host_pool_limit``, ``max_plans``, ``codegen`` or profile path is reported here,
+    before anything runs.
     """
 
     planner: str | Planner = "local"
@@ -65,6 +68,7 @@ class CompileOptions:
     host_pool_limit: int | str | None = None
     max_plans: int = 8
     outputs_held: bool = True
+    codegen: str = "fx"
     #: ``profile`` resolved: "analytic", "measure" or a Profile
     profile_source: str | Profile = field(init=False, repr=False, compare=False)
 
@@ -74,6 +78,7 @@ class CompileOptions:
         ProfileOptions(self.profile_mode)  # ... an unknown mode
         self.margin_for(torch.device("cpu"))  # ... a malformed margin
         object.__setattr__(self, "profile_source", resolve_profile_source(self.profile))
+        check_codegen(self.codegen)
         if self.host_pool_limit is not None:
             parse_bytes(self.host_pool_limit, "host_pool_limit")
         if isinstance(self.max_plans, bool) or not isinstance(self.max_plans, int) or self.max_plans < 1:

@@ -126,13 +126,15 @@ def trace_step(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None
 
 def profile_step(step: TracedStep, profile: str | Profile | os.PathLike = "analytic", *,
                  hardware: str | Hardware | None = None, link: Link | None = None, mode: str = "auto",
-                 mem_limit: int | None = None) -> Profile:
+                 mem_limit: int | None = None, fused: bool = False) -> Profile:
     """Step 2: seconds per op of ``step`` (and the link's copy times).
 
     ``profile``: "analytic" (roofline of ``hardware``; always so on the meta device), "measure"
     (times each node: in situ on the captured inputs when the in-core step fits ``mem_limit``, else
     each node alone; ``mode`` forces one), a :class:`Profile` or the path of a saved one. ``link``
-    overrides the profile's link. The captured inputs are dropped from ``step`` afterwards.
+    overrides the profile's link. ``fused``: analytic times as a fusing compiler runs the graphs
+    (``codegen="inductor"``: a pointwise chain is one kernel). The captured inputs are dropped from
+    ``step`` afterwards.
 
     >>> import torch, fxpooch
     >>> step = fxpooch.trace_step(torch.nn.Linear(512, 512), (torch.randn(512, 512),))
@@ -145,7 +147,7 @@ def profile_step(step: TracedStep, profile: str | Profile | os.PathLike = "analy
         result = source
     elif source == "analytic" or device.type == "meta":
         hw = hardware or get_hardware(HOST_PRESET if device.type == "cpu" else DEFAULT_META_HARDWARE)
-        result = analytic_profile(step.graph, step.table, hw)
+        result = analytic_profile(step.graph, step.table, hw, fused)
     else:
         options = ProfileOptions(mode)
         measured_link = link or (hardware.link if hardware else None)

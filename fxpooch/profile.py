@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .costmodel import analytic_time
+from .costmodel import analytic_time, fused_time
 from .errors import InvalidProfile
 from .graph import NodeTable, StepGraph
 from .hardware import Hardware, Link, LinkCalibration
@@ -53,8 +53,8 @@ def fingerprint(graph: StepGraph) -> str:
 
 @dataclass(frozen=True)
 class Profile:
-    #: "cuda-events", "cpu-timer" (wall clock), "cpu-thread-time" (" per-node" when so measured) or
-    #: "analytic:<preset>"
+    #: "cuda-events", "cpu-timer" (wall clock), "cpu-thread-time" (" per-node" when so measured),
+    #: "analytic:<preset>" or "analytic-fused:<preset>"
     source: str
     link: Link
     op_times: dict[str, float]
@@ -99,10 +99,14 @@ class Profile:
             return cls.from_json(json.load(f))
 
 
-def analytic_profile(graph: StepGraph, table: NodeTable, hardware: Hardware) -> Profile:
-    """Deterministic per-op times from ``hardware``'s roofline (FLOPs and bytes of each node)."""
-    times = {op_key(graph, i): analytic_time(node, hardware) for i, node in enumerate(table.nodes)}
-    return Profile(f"analytic:{hardware.name}", hardware.link, times, fingerprint(graph))
+def analytic_profile(graph: StepGraph, table: NodeTable, hardware: Hardware, fused: bool = False) -> Profile:
+    """Deterministic per-op times from ``hardware``'s roofline (FLOPs and bytes of each node);
+    ``fused``: as a fusing compiler (inductor) runs the graphs, pointwise chains one kernel
+    (:func:`~fxpooch.costmodel.fused_time`), so a recomputed chain costs what its fused kernel does."""
+    cost = fused_time if fused else analytic_time
+    times = {op_key(graph, i): cost(node, hardware) for i, node in enumerate(table.nodes)}
+    source = f"analytic{'-fused' if fused else ''}:{hardware.name}"
+    return Profile(source, hardware.link, times, fingerprint(graph))
 
 
 class _NodeTimer(fx.Interpreter):

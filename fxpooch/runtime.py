@@ -97,7 +97,9 @@ class Runtime:
         copy = HostCopy(block)
         with self.pool.lock:
             self.slots[slot] = copy  # an earlier copy still in the slot returns its block when it is freed
-        weakref.finalize(host, self._dropped, slot, copy)
+        # on the storage (the block's view has one of its own), not on this tensor object: a compiled graph
+        # may return another tensor object on it (a view it re-strides), and the copy lives as long as any
+        weakref.finalize(host.untyped_storage(), self._dropped, slot, copy)
         if x.device.type != "cuda":
             host.copy_(x)
             return host
@@ -210,3 +212,26 @@ _lib.impl("wait", _wait, "CompositeExplicitAutograd")
 _lib.impl("drop", _drop, "CompositeExplicitAutograd")
 _lib.impl("offload", _offload_meta, "Meta")
 _lib.impl("prefetch", _prefetch_meta, "Meta")
+
+
+# Fake kernels: what a compiler (inductor) sees when it traces a rewritten graph with fake tensors.
+# ``offload`` makes a host tensor, ``prefetch`` a device one, ``wait`` returns its input (an alias,
+# as its schema says) and ``drop`` an empty tensor; all four stay calls into this module at run time.
+@torch.library.register_fake("fxpooch::offload", lib=_lib)
+def _offload_fake(x: torch.Tensor, slot: int) -> torch.Tensor:
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
+
+
+@torch.library.register_fake("fxpooch::prefetch", lib=_lib)
+def _prefetch_fake(host: torch.Tensor, device: torch.device, slot: int) -> torch.Tensor:
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+
+
+@torch.library.register_fake("fxpooch::wait", lib=_lib)
+def _wait_fake(x: torch.Tensor, slot: int) -> torch.Tensor:
+    return x
+
+
+@torch.library.register_fake("fxpooch::drop", lib=_lib)
+def _drop_fake(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(0)

@@ -25,8 +25,8 @@ STAGES: list[tuple[str, set[str]]] = [
     ("plan", {"plan"}),
     ("inspect", {"whatif", "report", "explain", "svg", "trace"}),
     ("passes", {"passes", "passes.meta", "passes.offload", "passes.swapin", "passes.rewrite", "passes.slots"}),
-    ("runtime", {"hostpool", "runtime"}),
-    ("api", {"options", "pipeline", "api"}),
+    ("runtime", {"hostpool", "runtime", "codegen"}),
+    ("api", {"options", "pipeline", "api", "torch_backend"}),
     ("entry points", {"demo", "__main__", "__init__"}),
 ]
 
