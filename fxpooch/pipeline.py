@@ -89,7 +89,8 @@ def step_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
 
 
 def trace_step(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None, *,
-               compiled: Any = None, recorder: Recorder | None = None, undo_copies: bool = True) -> TracedStep:
+               compiled: Any = None, recorder: Recorder | None = None, undo_copies: bool = True,
+               held_bytes: int = 0) -> TracedStep:
     """Step 1: run one training step of ``model(*args, **kwargs)`` to capture its graphs (without
     holding its activations; buffers and RNG state are put back) and build its :class:`StepGraph`.
 
@@ -97,7 +98,8 @@ def trace_step(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None
     module keeps one for all its steps); by default a fresh one. ``undo_copies``: count as resident
     the copies a compiled module keeps of the buffers the forward changes (to undo a step that an
     unplanned graph stops); the benchmarks, which plan the bare step, leave them out. Works on the
-    ``meta`` device.
+    ``meta`` device. ``held_bytes``: device memory a wrapper holds through the step beyond the
+    model's tensors (DDP's gradient buckets, :func:`fxpooch.distributed.held_bytes`), counted as resident.
 
     >>> import torch, fxpooch
     >>> step = fxpooch.trace_step(torch.nn.Linear(512, 512), (torch.randn(512, 512),))
@@ -118,7 +120,7 @@ def trace_step(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None
                 *(t for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
                 *(torch.empty_like(mod._buffers[name]) for mod, name in changed if undo_copies)]
     memory = MemoryModel.for_device(device)
-    graph, table = build_step_graph(pairs, memory, memory.resident_bytes(resident))
+    graph, table = build_step_graph(pairs, memory, memory.resident_bytes(resident) + held_bytes)
     return TracedStep(graph, table, pairs, inputs, changed, grad_state(model), device)
 
 
