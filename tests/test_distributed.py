@@ -8,6 +8,7 @@ Sizes are whole MiB (512 x 512 fp32).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -138,10 +139,34 @@ def _peak_case(order: str, make, rank: int) -> None:
     _assert_same(model, ref)
 
 
-def _ddp_cases(rank: int) -> None:
+def _options_case(rank: int) -> None:
+    """DDP's options and gradient accumulation under no_sync, in both orders: gradients of plain DDP."""
+    x = torch.randn(N, N) + rank
+    for options in [dict(find_unused_parameters=True), dict(static_graph=True), dict(gradient_as_bucket_view=True),
+                    dict(accumulate=True)]:
+        accumulate = options.pop("accumulate", False)
+        for order in ("DDP(compile(model))", "compile(DDP(model))"):
+            torch.manual_seed(0)
+            model, ref = sequential(), sequential()
+            ref.load_state_dict(model.state_dict())
+            if order == "DDP(compile(model))":
+                wrapped = DDP(fxpooch.compile(model, x, "1GiB", **ANALYTIC), **options)
+            else:
+                wrapped = fxpooch.compile(DDP(model, **options), x, "1GiB", **ANALYTIC)
+            ref_ddp = DDP(ref, **options)
+            for module in (wrapped, ref_ddp):
+                for i in range(3):
+                    with module.no_sync() if accumulate and i < 2 else contextlib.nullcontext():
+                        module(x).sum().backward()
+            _assert_same(model, ref)
+
+
+def _cases(rank: int) -> None:
     _peak_case("DDP(compile(model))", sequential, rank)
     _peak_case("compile(DDP(model))", sequential, rank)
     _peak_case("compile(DDP(model))", user_module, rank)
+    _options_case(rank)
+    _fsdp_cases(rank)
 
 
 def _fsdp_cases(rank: int) -> None:
@@ -161,9 +186,6 @@ def _fsdp_cases(rank: int) -> None:
         compiled(x)
 
 
-def test_ddp_both_orders_match_plain_ddp_and_stay_under_the_limit():
-    _spawn(_ddp_cases)
-
-
-def test_fsdp_is_refused_with_what_to_do():
-    _spawn(_fsdp_cases)
+def test_ddp_both_orders_match_plain_ddp_and_stay_under_the_limit_fsdp_is_refused():
+    """One pair of processes for every case (starting them is most of the time)."""
+    _spawn(_cases)
