@@ -86,6 +86,7 @@ class CompiledModule(nn.Module):
         self._recorder = Recorder()
         self._compiled = compile_entry(model, self._recorder)
         self._wrapper = distributed.active_wrapper()  # the DDP wrapper the plans are made inside, if any
+        self._by_wrapper: dict[nn.Module | None, tuple[dict, dict]] = {}  # the plans made inside other wrappers
         self._plans: dict[tuple, _Planned] = {}  # (graph pairs of the step, gradient state) -> plan
         self._predicted: dict[tuple, tuple] = {}  # what the Python side sees -> plan key last used for it
         self._current: _Planned | None = None
@@ -172,12 +173,13 @@ class CompiledModule(nn.Module):
         self._use(planned)
 
     def _enter_wrapper(self, wrapper: nn.Module | None) -> None:
-        """Now running inside another DDP wrapper (or none): plan again, counting what it holds."""
-        log.info("running inside %s: the step is planned again", "a DistributedDataParallel wrapper"
+        """Now running inside another DDP wrapper (or none): use the plans made there, which count what
+        it holds (planned on first use)."""
+        log.info("running inside %s: its plans are used", "a DistributedDataParallel wrapper"
                  if wrapper is not None else "no DistributedDataParallel wrapper")
+        self._by_wrapper[self._wrapper] = self._plans, self._predicted
+        self._plans, self._predicted = self._by_wrapper.pop(wrapper, ({}, {}))
         self._wrapper = wrapper
-        self._plans.clear()
-        self._predicted.clear()
         self._current = None
 
     def _check_previous_backward(self) -> None:

@@ -21,7 +21,6 @@ FSDP (``fully_shard`` and ``FullyShardedDataParallel``) is not supported yet: se
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,8 +30,6 @@ import torch.nn as nn
 from . import _torch_compat as compat
 from .errors import UnsupportedModel
 from .memory import MemoryModel
-
-log = logging.getLogger("fxpooch.distributed")
 
 
 def ddp_of(model: nn.Module) -> nn.Module | None:
