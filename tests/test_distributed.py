@@ -165,11 +165,33 @@ def _options_case(rank: int) -> None:
             _assert_same(model, ref)
 
 
+def _moving_case(rank: int) -> None:
+    """A compiled module used inside DDP and alone, in turns: each place keeps its own plan (inside DDP
+    the buckets are resident), nothing is planned again, and the gradients are those of eager."""
+    torch.manual_seed(0)
+    model, ref = sequential(), sequential()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(N, N) + rank
+    compiled = fxpooch.compile(model, x, "1GiB", **ANALYTIC)
+    wrapped = DDP(compiled)
+    resident = {}
+    for _ in range(2):
+        for name, module in (("DDP", wrapped), ("alone", compiled)):
+            model.zero_grad(set_to_none=True)
+            module(x).sum().backward()
+            resident[name] = compiled.plan.graph.resident_bytes
+    assert compiled.replans == 0
+    assert resident["DDP"] - resident["alone"] == sum(p.nbytes for p in model.parameters())
+    ref(x).sum().backward()  # alone: no all-reduce, the local gradients
+    _assert_same(model, ref)
+
+
 def _cases(rank: int) -> None:
     _peak_case("DDP(compile(model))", sequential, rank)
     _peak_case("compile(DDP(model))", sequential, rank)
     _peak_case("compile(DDP(model))", user_module, rank)
     _options_case(rank)
+    _moving_case(rank)
     _fsdp_cases(rank)
 
 
