@@ -118,12 +118,14 @@ _RECOMPILE_LIMIT = 1 << 16
 
 
 def dynamo_limits():
-    """Context manager: dynamo's recompile caps raised for the duration of one fxpooch call."""
+    """Context manager: dynamo's recompile caps raised for the duration of one fxpooch call, and its
+    DDP graph split (DDPOptimizer) off: inside a DDP forward dynamo would cut the step into a graph per
+    gradient bucket, and what crosses a cut (a graph's output) could not be swapped or recomputed."""
     import torch._dynamo.config as dcfg
 
     names = {n: _RECOMPILE_LIMIT for n in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
                                              "accumulated_cache_size_limit") if hasattr(dcfg, n)}
-    return dcfg.patch(**names)
+    return dcfg.patch(**names, optimize_ddp=False)
 
 
 def fresh_entry(model: Callable, tag: str) -> Callable:
@@ -206,3 +208,13 @@ def outside_fake_mode():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+# -- DistributedDataParallel: what dynamo reads of it (a private member of DDP) ----------------
+def active_ddp_module() -> Any:
+    """The ``DistributedDataParallel`` whose forward is running on this thread, or None."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._get_active_ddp_module()

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from . import _torch_compat as compat
+from . import distributed
 from .capture import GraphPair, Recorder, StepSnapshot, UnplannedGraph
 from .codegen import compile_graph, decompositions
 from .debug import dump_graphs
@@ -21,7 +22,7 @@ from .hardware import Hardware, Link
 from .limits import resolve_limit
 from .memory import Margin
 from .options import CompileOptions
-from .pipeline import TracedStep, compile_entry, grad_state, plan_graph, profile_step, trace_step
+from .pipeline import TracedStep, compile_entry, grad_state, plan_graph, profile_step, step_device, trace_step
 from .plan import Plan
 from .planners import Planner, resolve_planner
 from .profile import Profile
@@ -85,6 +86,8 @@ class CompiledModule(nn.Module):
         self.options = options
         self._recorder = Recorder(decompositions(options.codegen))
         self._compiled = compile_entry(model, self._recorder)
+        self._wrapper = distributed.active_wrapper()  # the DDP wrapper the plans are made inside, if any
+        self._by_wrapper: dict[nn.Module | None, tuple[dict, dict]] = {}  # the plans made inside other wrappers
         self._plans: dict[tuple, _Planned] = {}  # (graph pairs of the step, gradient state) -> plan
         self._predicted: dict[tuple, tuple] = {}  # what the Python side sees -> plan key last used for it
         self._current: _Planned | None = None
@@ -137,6 +140,9 @@ class CompiledModule(nn.Module):
             # no_grad / inference_mode (evaluation): no backward, nothing saved, nothing to plan
             with compat.dynamo_limits():
                 return self._compiled(*args, **kwargs)
+        distributed.check_not_sharded(self)  # fully_shard applied after compile (to the model or to this module)
+        if distributed.active_wrapper() is not self._wrapper:
+            self._enter_wrapper(distributed.active_wrapper())
         self._check_previous_backward()
         grads = grad_state(self.model)
         seen_as = self._seen_as(args, kwargs, grads)
@@ -175,6 +181,16 @@ class CompiledModule(nn.Module):
         self._predicted[self._seen_as(args, kwargs, planned.grads)] = planned.key
         self._use(planned)
 
+    def _enter_wrapper(self, wrapper: nn.Module | None) -> None:
+        """Now running inside another DDP wrapper (or none): use the plans made there, which count what
+        it holds (planned on first use)."""
+        log.info("running inside %s: its plans are used", "a DistributedDataParallel wrapper"
+                 if wrapper is not None else "no DistributedDataParallel wrapper")
+        self._by_wrapper[self._wrapper] = self._plans, self._predicted
+        self._plans, self._predicted = self._by_wrapper.pop(wrapper, ({}, {}))
+        self._wrapper = wrapper
+        self._current = None
+
     def _check_previous_backward(self) -> None:
         """A second forward while the previous one's backward is still to run would hold both steps'
         activations: the plan is for one step."""
@@ -205,8 +221,9 @@ class CompiledModule(nn.Module):
     def _replan(self, args: tuple, kwargs: dict, cause: str) -> _Planned:
         """The plan of the graphs this step runs: a cached one if its graphs were planned already."""
         # Step 1, trace: capture the step through this module's dynamo entry
+        held = distributed.held_bytes(self._wrapper, step_device(self.model, args, kwargs))
         step = trace_step(self.model, args, kwargs, compiled=self._compiled, recorder=self._recorder,
-                          outputs_held=self.options.outputs_held)
+                          outputs_held=self.options.outputs_held, held_bytes=held)
         known = self._plans.get(step.key)
         if known is not None:
             return known
@@ -279,6 +296,7 @@ def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, plan
                 hardware: str | Hardware | None = None):
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    distributed.check_not_sharded(model)
     parse_limit(mem_limit)  # a malformed limit fails before anything else
     resolve_planner(planner)  # fail fast on an unknown name
     args, kwargs = _split_example(example_input)
@@ -339,6 +357,8 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
     options = CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link, profile_mode=profile_mode,
                              margin=margin, host_pool_limit=host_pool_limit, max_plans=max_plans,
                              outputs_held=outputs_held, codegen=codegen)
-    compiled = CompiledModule(model, limit, options)
+    wrapper = distributed.ddp_of(model)
+    compiled = CompiledModule(model if wrapper is None else wrapper.module, limit, options)
+    compiled._wrapper = wrapper  # it runs inside the wrapper's forward: its plans count the wrapper's buckets
     compiled._prepare(args, kwargs)
-    return compiled
+    return compiled if wrapper is None else distributed.CompiledDDP(wrapper, compiled)

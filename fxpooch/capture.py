@@ -398,9 +398,9 @@ def _no_graph_error(out: Any) -> Exception:
         why = f" Dynamo reported: {'; '.join(breaks[-3:])}." if breaks else ""
         return UnsupportedModel(
             "dynamo compiled no graph of this forward although its output needs gradients: it ran the model "
-            "eagerly, so there is nothing to plan. This happens with a wrapper dynamo does not trace (DDP, "
-            "FSDP's fully_shard) and with a graph break that makes dynamo skip the frame (e.g. inside a loop "
-            f"over a custom autograd.Function).{why} Compile the inner module (before wrapping it), or remove "
+            "eagerly, so there is nothing to plan. This happens with a wrapper whose forward dynamo skips (a "
+            "forward under torch.compiler.disable) and with a graph break that makes dynamo skip the frame (e.g. "
+            f"inside a loop over a custom autograd.Function).{why} Compile the inner module (before wrapping it), or remove "
             "the graph break (torch._dynamo.explain(model)(x) lists them)")
     return UnsupportedModel(
         "dynamo captured no graph that needs gradients: check that the model has parameters with "

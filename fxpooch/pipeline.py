@@ -90,7 +90,7 @@ def step_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
 
 def trace_step(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None, *,
                compiled: Any = None, recorder: Recorder | None = None, undo_copies: bool = True,
-               outputs_held: bool = True) -> TracedStep:
+               outputs_held: bool = True, held_bytes: int = 0) -> TracedStep:
     """Step 1: run one training step of ``model(*args, **kwargs)`` to capture its graphs (without
     holding its activations; buffers and RNG state are put back) and build its :class:`StepGraph`.
 
@@ -100,6 +100,8 @@ def trace_step(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None
     unplanned graph stops); the benchmarks, which plan the bare step, leave them out. Works on the
     ``meta`` device. ``outputs_held``: the caller holds the model's outputs until the step ends
     (the default), or drops them before the backward (:func:`fxpooch.graph.build_step_graph`).
+    ``held_bytes``: device memory a wrapper holds through the step beyond the model's tensors
+    (DDP's gradient buckets, :func:`fxpooch.distributed.held_bytes`), counted as resident.
 
     >>> import torch, fxpooch
     >>> step = fxpooch.trace_step(torch.nn.Linear(512, 512), (torch.randn(512, 512),))
@@ -120,7 +122,8 @@ def trace_step(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None
                 *(t for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
                 *(torch.empty_like(mod._buffers[name]) for mod, name in changed if undo_copies)]
     memory = MemoryModel.for_device(device)
-    graph, table = build_step_graph(pairs, memory, memory.resident_bytes(resident), outputs_held=outputs_held)
+    graph, table = build_step_graph(pairs, memory, memory.resident_bytes(resident) + held_bytes,
+                                    outputs_held=outputs_held)
     return TracedStep(graph, table, pairs, inputs, changed, grad_state(model), device)
 
 

@@ -1,0 +1,120 @@
+"""Data-parallel training with fxpooch and DistributedDataParallel, on GPUs or on CPU (gloo).
+
+    torchrun --nproc-per-node 2 examples/ddp.py                        # DDP(fxpooch.compile(model))
+    torchrun --nproc-per-node 2 examples/ddp.py --order compile-ddp    # fxpooch.compile(DDP(model))
+    torchrun --nproc-per-node 1 examples/ddp.py --mem-limit 2GiB       # one GPU, the same code path
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        examples/ddp.py --mem-limit 60GiB                              # several nodes
+
+With CUDA each rank uses the GPU of its local rank and NCCL; without, the CPU and gloo. Every rank
+plans its own step under ``--mem-limit`` (the limit is per rank: parameters, DDP's gradient
+buckets, gradients, the rank's inputs and its activations), trains a few steps next to a plain DDP
+copy of the model and prints, per rank, the largest gradient difference to plain DDP, the peak
+(measured with ``torch.cuda.max_memory_allocated`` on a GPU; on a CPU only the plan's figure is
+shown: tests/test_distributed.py measures it there) and the step times of both.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fxpooch
+from fxpooch.models import gpt_decoder
+from fxpooch.report import summary_rows
+from fxpooch.units import format_bytes
+
+
+class WithLoss(nn.Module):
+    """The model and its loss in one module, so the plan covers the loss too (README: training-loop contract)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.model(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--order", choices=["ddp-compile", "compile-ddp"], default="ddp-compile",
+                        help="ddp-compile: DDP(fxpooch.compile(model)); compile-ddp: fxpooch.compile(DDP(model))")
+    parser.add_argument("--mem-limit", default="60%", help="per rank, as fxpooch.compile takes it (default 60%%)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+
+    torch.manual_seed(0)  # the same initial model on every rank
+    model = WithLoss(gpt_decoder(n_layer=4, d_model=256, n_head=4, seq=128, vocab=4096, dropout=0.0)).to(device)
+    reference = DDP(copy.deepcopy(model), device_ids=[device.index] if cuda else None)
+    generator = torch.Generator().manual_seed(1 + rank)  # each rank its own batch
+    tokens = torch.randint(0, 4096, (args.batch, 129), generator=generator).to(device)
+    ids = [device.index] if cuda else None
+
+    if args.order == "ddp-compile":
+        compiled = fxpooch.compile(model, tokens, args.mem_limit)
+        trained = DDP(compiled, device_ids=ids)
+    else:
+        trained = compiled = fxpooch.compile(DDP(model, device_ids=ids), tokens, args.mem_limit)
+
+    def step(module: nn.Module, opt: torch.optim.Optimizer) -> float:
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        module(tokens).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        opt.step()
+        return seconds
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
+    times: dict[str, list[float]] = {"fxpooch": [], "plain DDP": []}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.steps):  # interleaved, so both see the same machine load
+        times["fxpooch"].append(step(trained, opt))
+        times["plain DDP"].append(step(reference, ref_opt))
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    opt.zero_grad(set_to_none=True)
+    ref_opt.zero_grad(set_to_none=True)
+    trained(tokens).backward()  # compare one more step's gradients (both models took the same steps)
+    reference(tokens).backward()
+    diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
+
+    plan = compiled.plan
+    if rank == 0:
+        rows = "\n".join(f"  {label:<27}{value}" for label, value in summary_rows(plan))
+        print(f"{args.order} on {world} rank(s), {device.type}; the plan of rank 0 (print(plan) lists every "
+              f"activation):\n{rows}", flush=True)
+    dist.barrier()
+    measured = f"measured peak {format_bytes(peak)} (max_memory_allocated, both models resident)" if cuda \
+        else "peak not measured on CPU"
+    print(f"rank {rank}: limit {format_bytes(plan.mem_limit)}, planned peak {format_bytes(plan.peak_bytes)}, "
+          f"{measured}; max |grad - plain DDP grad| = {diff:.2e}; median step "
+          f"{statistics.median(times['fxpooch']) * 1e3:.1f} ms (plain DDP "
+          f"{statistics.median(times['plain DDP']) * 1e3:.1f} ms)", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
