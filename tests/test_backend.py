@@ -49,6 +49,15 @@ def resident_bytes(model: nn.Module, x: torch.Tensor) -> int:
     return sum(t.untyped_storage().nbytes() for t in [*model.parameters(), x])
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles the same model class again: without a reset, dynamo's per-frame recompile
+    limit (8) would make it run the later compiles eagerly, with no graph for any backend."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 LIMIT = 33 * MiB  # under the step's in-core peak (35 MiB planned), above the floor of each graph alone
 
 
