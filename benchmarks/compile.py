@@ -4,7 +4,7 @@
     python benchmarks/compile.py --quick    # the CNN, limits 100/50%, 3 rounds, one budget compile
 
 For each model: eager; torch.compile (inductor) in-core; fxpooch with each code generator
-(benchmarks/codegen.py) at 100%, 50% and 33% of the in-core peak; ``torch.utils.checkpoint`` per
+(``fxpooch.codegen.CODEGENS``) at 100%, 50% and 33% of the in-core peak; ``torch.utils.checkpoint`` per
 block; ``torch.autograd.graph.save_on_cpu``; torch.compile with ``activation_memory_budget``
 bisected until its measured peak is at most fxpooch's at 50% and 33%. A step is forward + loss +
 backward, gradients then set to None, on the same inputs for every method; each method's gradients
@@ -37,8 +37,8 @@ from tabulate import tabulate
 import fxpooch
 from fxpooch import _torch_compat as compat
 from fxpooch import models as zoo
+from fxpooch.codegen import CODEGENS
 
-import codegen
 from gpu import WithLoss, checkpoint_blocks
 from memprofile import profiled_memory, storage_bytes
 
@@ -200,14 +200,12 @@ class Bench:
 
     def fxpooch(self, cg: str, limit: str) -> None:
         name = f"fxpooch {cg}"
-        if not codegen.available(cg):
-            return self.skip(name, limit, codegen.NOT_AVAILABLE)
         model, t0 = self.fresh(), time.perf_counter()
         try:
-            cm = codegen.compile_with(cg, model, self.inputs, limit)
+            cm = fxpooch.compile(model, self.inputs, limit, codegen=cg)
             status = "ok"
         except fxpooch.InfeasibleMemoryLimit as e:  # the smallest limit that fits, and say so
-            cm = codegen.compile_with(cg, model, self.inputs, e.min_feasible_bytes)
+            cm = fxpooch.compile(model, self.inputs, e.min_feasible_bytes, codegen=cg)
             status = f"infeasible: ran at its floor {e.min_feasible_bytes / MiB:.1f} MiB"
         plan = cm.plan
         m = Method(name, limit, fn=cm, model=model, row=dict(
@@ -255,7 +253,7 @@ class Bench:
     def build_all(self, limits: tuple[str, ...]) -> None:
         self.torch_compile("torch.compile")
         for limit in limits:
-            for cg in codegen.CODEGENS:
+            for cg in CODEGENS:
                 self.fxpooch(cg, limit)
         self.ready(Method("checkpoint", fn=(m := checkpointed(self.fresh())), model=m))
         pin = torch.cuda.is_available()
@@ -357,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
     judge(rows)
     print(f"CPU, 1 thread, torch {torch.__version__}, fxpooch {fxpooch.__version__}; "
-          f"codegens: {', '.join(c for c in codegen.CODEGENS if codegen.available(c))}; {args.rounds} rounds")
+          f"codegens: {', '.join(CODEGENS)}; {args.rounds} rounds")
     print(table(rows))
     met = [r["met"] for r in rows if "met" in r]
     unmatched = sum("target" in r and "met" not in r for r in rows)

@@ -3,7 +3,7 @@ torch.compile's activation budget, ``save_on_cpu`` and full activation checkpoin
 device-memory limit.
 
     python benchmarks/gpu.py                      # ResNet-50 fp32 + bf16 and GPT-2, 3 batches each
-    python benchmarks/gpu.py --quick              # ResNet-50 fp32, limit = 1/3 of in-core, pooch only
+    python benchmarks/gpu.py --quick              # ResNet-50 fp32, limit = 1/3 of in-core, the default planner (local) only
     python benchmarks/gpu.py --dry-run [--quick]  # no GPU: batches and floors planned on meta
 
 The limit (``--limit``, 8 GiB) is enforced with ``torch.cuda.set_per_process_memory_fraction``
@@ -36,16 +36,16 @@ from torch.utils.checkpoint import checkpoint
 import fxpooch
 from fxpooch import _torch_compat as compat
 from fxpooch import models as zoo
+from fxpooch.codegen import CODEGENS
 from fxpooch.memory import Margin
 from fxpooch.units import format_bytes, parse_bytes
 
-import codegen
 
 log = logging.getLogger("fxpooch.bench.gpu")
 HERE = Path(__file__).resolve().parent
 
 RATIOS = (3.0, 2.0, 1.5)  # in-core peak / limit; 3x first: the issue's targets are there
-SLOWDOWN_TARGET = {"resnet50": 1.15, "gpt2": 1.05}  # pooch step time / in-core at limit = in-core / 3
+SLOWDOWN_TARGET = {"resnet50": 1.15, "gpt2": 1.05}  # the default planner's step time / in-core at limit = in-core / 3
 TIME_TOL, PEAK_TOL = 0.10, 0.05  # |pred - meas| / meas; meas <= pred <= (1 + PEAK_TOL) * meas
 MODEL_DTYPES = {"resnet50": ("fp32", "bf16"), "gpt2": ("fp32",)}
 FIT_BATCHES = {"resnet50": (8, 16), "gpt2": (1, 2)}  # in-core peak measured here, then extrapolated
@@ -197,9 +197,10 @@ def attempt(row: dict[str, Any], thunk: Callable[[], dict[str, Any] | None]) -> 
 # -- methods ------------------------------------------------------------------------------------
 #: run in passes over all configurations (3x first), so the time budget cuts the least important
 #: fxpooch rows are "fxpooch:<planner>", or "fxpooch:<planner> <codegen>" for a code generator but the
-#: default one (benchmarks/codegen.py; "n/a" where this fxpooch lacks it)
-INDUCTOR_POOCH = f"fxpooch:pooch {codegen.CODEGENS[1]}"
-PASSES = (("in-core", "torch.compile", "fxpooch:pooch", INDUCTOR_POOCH),
+#: default one (``fxpooch.codegen.CODEGENS``)
+LEAD = "local"  # the default planner: first in every pass, and the one run with inductor too
+INDUCTOR_LEAD = f"fxpooch:{LEAD} {CODEGENS[1]}"
+PASSES = (("in-core", "torch.compile", f"fxpooch:{LEAD}", INDUCTOR_LEAD),
           ("save_on_cpu", "checkpoint", "torch.compile budget"))
 
 
@@ -219,7 +220,7 @@ class Run:
         # "exact" is a reference for graphs of a few activations, not a planner for these models
         names = self.args.planners.split(",") if self.args.planners else [
             p for p in fxpooch.PLANNERS if p not in ("in-core", "exact")]
-        return ["pooch"] + [p for p in names if p != "pooch" and p in fxpooch.PLANNERS]
+        return [LEAD] + [p for p in names if p != LEAD and p in fxpooch.PLANNERS]
 
     def run(self, cfgs: list[Config]) -> list[dict[str, Any]]:
         passes = [*PASSES, [f"fxpooch:{p}" for p in self.planners[1:]]]  # then the other planners
@@ -232,9 +233,9 @@ class Run:
                     if time.monotonic() < self.deadline:
                         attempt(row, lambda cfg=cfg, row=row: self.method(cfg, row))
         for cfg in cfgs:  # fxpooch's own prediction of the in-core step, next to the measured one
-            pooch, in_core = self.rows[cfg, "fxpooch:pooch"], self.rows[cfg, "in-core"]
-            if "pred_in_core_s" in pooch:
-                in_core.update(pred_s=pooch["pred_in_core_s"], pred_peak=pooch["pred_in_core_peak"])
+            lead, in_core = self.rows[cfg, f"fxpooch:{LEAD}"], self.rows[cfg, "in-core"]
+            if "pred_in_core_s" in lead:
+                in_core.update(pred_s=lead["pred_in_core_s"], pred_peak=lead["pred_in_core_peak"])
         return [self.rows[c, m] for c in cfgs for names in passes for m in names]
 
     def method(self, cfg: Config, row: dict[str, Any]) -> dict[str, Any]:
@@ -242,9 +243,7 @@ class Run:
         model, inputs = build(cfg.model, cfg.batch, "cuda", self.args.gpt_layers)
         if name.startswith("fxpooch:"):
             planner, _, cg = name.removeprefix("fxpooch:").partition(" ")
-            if not codegen.available(cg := cg or codegen.CODEGENS[0]):
-                return {"status": codegen.NOT_AVAILABLE}
-            return self.fxpooch(cfg, planner, cg, model, inputs, row)
+            return self.fxpooch(cfg, planner, cg or CODEGENS[0], model, inputs, row)
         if name == "torch.compile budget":
             return self.compile_budget(cfg, model, inputs, row)
         if name == "in-core":
@@ -266,7 +265,7 @@ class Run:
         clean()
         # captured and profiled under the cap too: capture holds no activations, the profile is per node
         with memory_cap(cfg.limit), autocast(cfg.dtype):
-            cm = codegen.compile_with(cg, model, inputs, cfg.limit, planner=planner,
+            cm = fxpooch.compile(model, inputs, cfg.limit, codegen=cg, planner=planner,
                                       profile=self.profiles.get((cfg, cg), "measure"))
             row["compile_peak"] = torch.cuda.max_memory_allocated()
         plan = cm.plan
@@ -281,11 +280,11 @@ class Run:
 
     def compile_budget(self, cfg: Config, model: WithLoss, inputs: tuple, row: dict[str, Any]) -> dict:
         """torch.compile (inductor) with activation_memory_budget bisected until its measured peak
-        reaches pooch's lowest measured peak over its code generators (the limit where pooch did not run)."""
-        pooch, in_core = self.rows[cfg, "fxpooch:pooch"], self.rows[cfg, "in-core"]
-        peaks = [r["peak"] for r in (pooch, self.rows[cfg, INDUCTOR_POOCH]) if r["status"] == "ok"]
+        reaches the default planner's lowest measured peak over its code generators (the limit where it did not run)."""
+        lead, in_core = self.rows[cfg, f"fxpooch:{LEAD}"], self.rows[cfg, "in-core"]
+        peaks = [r["peak"] for r in (lead, self.rows[cfg, INDUCTOR_LEAD]) if r["status"] == "ok"]
         target = min(peaks, default=cfg.limit)
-        peak_in, resident = in_core.get("peak", int(cfg.ratio * cfg.limit)), pooch.get("resident", 0)
+        peak_in, resident = in_core.get("peak", int(cfg.ratio * cfg.limit)), lead.get("resident", 0)
         lo, hi = 0.0, 1.0
         budget = min(1.0, max(0.02, (target - resident) / max(1, peak_in - resident)))
         tried: list[tuple[float, int | None]] = []
@@ -369,8 +368,8 @@ def dry_run(args: argparse.Namespace) -> int:
                 planned.append(f"{planner}: infeasible (floor {format_bytes(e.min_feasible_bytes)})")
         rows.append(row + (["; ".join(planned)] if planned else []))
     print(f"dry run on meta: limit {format_bytes(args.limit)}, analytic costs of {args.hardware} (simulated); "
-          f"methods per configuration: in-core, torch.compile, fxpooch:{{{','.join(planners)}}}, {INDUCTOR_POOCH} "
-          f"({'available' if codegen.available(codegen.CODEGENS[1]) else codegen.NOT_AVAILABLE}), save_on_cpu, "
+          f"methods per configuration: in-core, torch.compile, fxpooch:{{{','.join(planners)}}}, {INDUCTOR_LEAD} "
+          f"save_on_cpu, "
           "checkpoint, torch.compile budget")
     print(tabulate(rows, headers=["config", "batch", "in-core/limit", "fxpooch floor", "fits"]
                    + (["planned peak, predicted slowdown"] if args.dry_run_plan else [])))
@@ -386,7 +385,7 @@ def judge(rows: list[dict[str, Any]]) -> None:
         if r.get("status") == "ok" and base.get("status") == "ok":
             r["slowdown"] = r["step_s"] / base["step_s"]
             r["in_core_ratio"] = base["peak"] / r["limit"]
-        if r["method"] == "fxpooch:pooch" and r["ratio"] == RATIOS[0]:
+        if r["method"] in (f"fxpooch:{LEAD}", INDUCTOR_LEAD) and r["ratio"] == RATIOS[0]:
             r["target"] = SLOWDOWN_TARGET[r["model"]]
             r["slowdown_ok"] = "slowdown" in r and r["slowdown"] <= r["target"]
         if r["method"].startswith("fxpooch:") and r.get("status") == "ok":
@@ -416,7 +415,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one model, one dtype, limit = in-core/3, pooch only")
+    p.add_argument("--quick", action="store_true", help="one model, one dtype, limit = in-core/3, the default planner (local) only")
     p.add_argument("--models", default="resnet50,gpt2", help="comma list of: " + ",".join(MODEL_DTYPES))
     p.add_argument("--limit", default="8GiB", help="device memory limit of every method but in-core (8GiB)")
     p.add_argument("--planners", default=None, help="comma list (default: all of fxpooch.PLANNERS but in-core and exact)")
@@ -437,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [m for m in args.models if m not in MODEL_DTYPES]:
         p.error(f"unknown model(s) {unknown}: choose from {list(MODEL_DTYPES)}")
     args.limit = parse_bytes(args.limit)
-    args.planners = "pooch" if q and args.planners is None else args.planners
+    args.planners = LEAD if q and args.planners is None else args.planners
     for flag, (full, quick, _) in defaults.items():
         if getattr(args, name := flag.replace("-", "_")) is None:
             setattr(args, name, quick if q else full)

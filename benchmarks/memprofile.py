@@ -19,7 +19,7 @@ previous one alive), and, on CUDA, fragmentation (the caching allocator's reserv
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -78,6 +78,13 @@ def profiled_memory(device: str = "cpu") -> Iterator[MemoryTrace]:
     with profile(activities=activities, profile_memory=True) as prof:
         yield trace
     trace.add(_allocator_deltas(prof, device))
+
+
+def step_peak(step: Callable[[], object], device: str = "cpu") -> int:
+    """Peak bytes that ``step()`` allocates on ``device`` above what was in use before it."""
+    with profiled_memory(device) as trace:
+        step()
+    return trace.peak_bytes
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 import fxpooch
-from profmem import step_peak
+from memprofile import step_peak
 
 MiB = 2**20
 #: the same kernels as torch.compile(backend="inductor"): equal up to rounding (observed: bit-equal)

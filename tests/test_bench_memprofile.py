@@ -2,17 +2,12 @@
 counter's on an eager step, and what happens inside an inductor kernel (which no dispatch mode sees)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from measure import StepCounter
 from zoo import MiB, mlp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from memprofile import profiled_memory, storage_bytes  # noqa: E402
+from memprofile import profiled_memory, storage_bytes
 
 FLOATS_PER_MIB = MiB // 4  # 512 x 512 fp32
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import fxpooch
-from profmem import step_peak
+from memprofile import step_peak
 
 MiB = 2**20
 #: fxpooch + inductor against torch.compile's inductor: the same kernels, so equal up to rounding
