@@ -33,37 +33,27 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxpooch
 from fxpooch.models import gpt_decoder
+from gpu import WithLoss
 
 WORLD = 2
 VOCAB, SEQ = 4096, 128
 RESULTS = Path(__file__).resolve().parent / "results" / "ddp.json"
 
 
-class WithLoss(nn.Module):
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.model(tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-
-
-def _variants(model: nn.Module, tokens: torch.Tensor, ids: list[int] | None) -> dict[str, nn.Module]:
+def _variants(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], ids: list[int] | None) -> dict[str, nn.Module]:
     def fresh() -> nn.Module:
         return copy.deepcopy(model)
 
     return {
         "plain DDP": DDP(fresh(), device_ids=ids),
         "torch.compile (aot_eager)": torch.compile(DDP(fresh(), device_ids=ids), backend="aot_eager"),
-        "fxpooch in-core": DDP(fxpooch.compile(fresh(), tokens, "1TiB"), device_ids=ids),
-        "fxpooch 60%": DDP(fxpooch.compile(fresh(), tokens, "60%"), device_ids=ids),
-        "compile(DDP) 60%": fxpooch.compile(DDP(fresh(), device_ids=ids), tokens, "60%"),
+        "fxpooch in-core": DDP(fxpooch.compile(fresh(), batch, "1TiB"), device_ids=ids),
+        "fxpooch 60%": DDP(fxpooch.compile(fresh(), batch, "60%"), device_ids=ids),
+        "compile(DDP) 60%": fxpooch.compile(DDP(fresh(), device_ids=ids), batch, "60%"),
     }
 
 
@@ -76,13 +66,14 @@ def _rank(rank: int, port: int, rounds: int, batch: int, out: str) -> None:
     torch.manual_seed(0)
     model = WithLoss(gpt_decoder(n_layer=4, d_model=256, n_head=4, seq=SEQ, vocab=VOCAB, dropout=0.0)).to(device)
     tokens = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=torch.Generator().manual_seed(1 + rank)).to(device)
-    variants = _variants(model, tokens, [rank] if cuda else None)
+    inputs = (tokens[:, :-1], tokens[:, 1:])  # next-token prediction
+    variants = _variants(model, inputs, [rank] if cuda else None)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for r in range(rounds + 1):  # round 0 warms up (dynamo compiles, DDP rebuilds its buckets)
         for name, module in variants.items():
             dist.barrier()
             start = time.perf_counter()
-            module(tokens).backward()
+            module(*inputs).backward()
             if cuda:
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - start
