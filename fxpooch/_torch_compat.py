@@ -23,6 +23,7 @@ def aot_backend(fw_compiler: Callable, bw_compiler: Callable, partition_fn: Call
 
 def inductor_decompositions() -> dict:
     """The decompositions inductor has AOTAutograd apply, so a captured graph is one inductor can lower."""
+    import torch._inductor.lowering  # noqa: F401  (some decompositions consult inductor's lowerings)
     from torch._inductor.decomposition import select_decomp_table
 
     return select_decomp_table()
@@ -43,6 +44,11 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], is_backward:
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
 
+    # every output keeps its traced strides (inductor keeps only "user visible" ones by default): the
+    # saved activations are the other graph's inputs, compiled separately against those strides
+    output = gm.graph.find_nodes(op="output")[0]
+    outs = output.args[0] if not isinstance(output.args[0], fx.Node) else output.args
+    output.meta["user_visible_output_idxs"] = [i for i, o in enumerate(outs) if isinstance(o, fx.Node)]
     fake_mode = detect_fake_mode(example_inputs)
     with tracing(TracingContext(fake_mode)), config.patch(reorder_for_peak_memory=False):
         return compile_fx_inner(gm, example_inputs, is_backward=is_backward)

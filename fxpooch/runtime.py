@@ -30,7 +30,10 @@ from .hostpool import Block, HostPool
 __all__ = ["DEFAULT", "Block", "HostCopy", "HostPool", "Runtime", "current"]
 
 _lib = torch.library.Library("fxpooch", "DEF")
-_lib.define("offload(Tensor x, int slot) -> Tensor")
+# A compiler may pick another layout for an activation than the traced graph has (inductor makes
+# convolution outputs channels-last on CPU); the host copy, and so the prefetched tensor the backward
+# was compiled for, must keep the traced layout: the compiler gives ``offload`` its input in that order.
+_lib.define("offload(Tensor x, int slot) -> Tensor", tags=(torch.Tag.needs_fixed_stride_order,))
 _lib.define("prefetch(Tensor host, Device device, int slot) -> Tensor")
 _lib.define("wait(Tensor(a) x, int slot) -> Tensor(a)")
 _lib.define("drop(Tensor x) -> Tensor")
