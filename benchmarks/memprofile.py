@@ -12,9 +12,9 @@ gives the bytes held above what was live when profiling started; its maximum is 
 
 Only the allocator's events of ``device`` are summed. What it does not see: scratch a kernel takes
 from outside the allocator (oneDNN or OpenMP workspaces), the free of a block allocated before
-profiling started (the profiler does not know its size and drops the event, so such a free never
-lowers the sum: a peak is over-, never under-estimated by it; start a step with nothing of the
-previous one alive), and, on CUDA, fragmentation (the caching allocator's reserved bytes).
+profiling started (reported or not depending on whether the profiler, earlier in the process,
+saw it allocated; start a step with nothing of the previous one alive, so no such free happens),
+and, on CUDA, fragmentation (the caching allocator's reserved bytes).
 """
 from __future__ import annotations
 
