@@ -4,6 +4,7 @@ Everything here is a thin adapter; callers see plain functions with stable signa
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import Any
 
@@ -39,10 +40,13 @@ def default_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -
 def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], is_backward: bool) -> Callable[[list[Any]], Any]:
     """``gm`` (an AOTAutograd forward or backward graph, its placeholders' ``meta["val"]`` fake
     tensors as ``example_inputs``) compiled by inductor, as a boxed callable (it takes one list and
-    clears it). Inductor's own reordering for peak memory is off: the graph's order is the plan's."""
+    clears it), in the graph's order: inductor's reordering for peak memory is off and no kernel
+    fuses work from both sides of an extern call (:class:`_InOrderFusion`). Inductor's FX graph cache
+    is off too: its key sees neither the fusion rule nor the output strides set here."""
     from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.virtualized import V
 
     # every output keeps its traced strides (inductor keeps only "user visible" ones by default): the
     # saved activations are the other graph's inputs, compiled separately against those strides
@@ -50,8 +54,56 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], is_backward:
     outs = output.args[0] if not isinstance(output.args[0], fx.Node) else output.args
     output.meta["user_visible_output_idxs"] = [i for i, o in enumerate(outs) if isinstance(o, fx.Node)]
     fake_mode = detect_fake_mode(example_inputs)
-    with tracing(TracingContext(fake_mode)), config.patch(reorder_for_peak_memory=False):
+    # A buffer inductor frees early and hands to a later kernel stays allocated in between, where the
+    # plan has it freed: no reuse. On CUDA an offload's copy may still read its input after the call
+    # returns (a side stream), so no kernel may write its output into an input's memory either; on
+    # CPU the copy is done when the call returns.
+    on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
+    with (tracing(TracingContext(fake_mode)),
+          config.patch(reorder_for_peak_memory=False, fx_graph_cache=False, allow_buffer_reuse=False,
+                       inplace_buffers=not on_cuda),
+          V.set_choices_handler(_InOrderFusion())):
         return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+
+
+def _in_order_fusion_type() -> type:
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.scheduler import ExternKernelSchedulerNode
+
+    class InOrderFusion(InductorChoices):
+        """Inductor's fusion choices, less any fusion of two kernels an extern call (a matmul, a
+        convolution, an ``fxpooch::`` copy) runs between: such a kernel would run on one side of
+        the call work the graph does on the other, allocating or freeing memory on the wrong side
+        of a prefetch. Kernels between two extern calls fuse as inductor likes."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._externs: dict[int, list[int]] = {}
+
+        def can_fuse(self, scheduler: Any, node1: Any, node2: Any, shared_data_score: int) -> bool:
+            key = id(scheduler)
+            if key not in self._externs:  # the order before fusion: fusing never reorders externs
+                self._externs[key] = sorted(n.min_order for n in scheduler.nodes
+                                            if isinstance(n, ExternKernelSchedulerNode))
+            lo = min(node1.min_order, node2.min_order)
+            hi = max(node1.max_order, node2.max_order)
+            externs = self._externs[key]
+            i = bisect.bisect_right(externs, lo)
+            if i < len(externs) and externs[i] < hi:
+                return False
+            return super().can_fuse(scheduler, node1, node2, shared_data_score)
+
+    return InOrderFusion
+
+
+def _InOrderFusion() -> Any:  # noqa: N802  (a class built on first use: inductor imports late)
+    global _IN_ORDER_FUSION
+    if _IN_ORDER_FUSION is None:
+        _IN_ORDER_FUSION = _in_order_fusion_type()
+    return _IN_ORDER_FUSION()
+
+
+_IN_ORDER_FUSION: type | None = None
 
 
 def register_backend(name: str, compiler_fn: Callable) -> None:

@@ -37,6 +37,9 @@ _lib.define("offload(Tensor x, int slot) -> Tensor", tags=(torch.Tag.needs_fixed
 _lib.define("prefetch(Tensor host, Device device, int slot) -> Tensor")
 _lib.define("wait(Tensor(a) x, int slot) -> Tensor(a)")
 _lib.define("drop(Tensor x) -> Tensor")
+# ``x`` itself, once every tensor in ``done`` has been computed: an ordering edge for a compiler that
+# computes a value only when a reader needs it (inductor); see :func:`fxpooch.codegen.compile_graph`
+_lib.define("after(Tensor(a) x, Tensor[] done) -> Tensor(a)")
 
 
 @dataclass(eq=False)
@@ -200,6 +203,10 @@ def _drop(x: torch.Tensor) -> torch.Tensor:
     return x.new_empty(0)
 
 
+def _after(x: torch.Tensor, done: list[torch.Tensor]) -> torch.Tensor:
+    return x
+
+
 def _offload_meta(x: torch.Tensor, slot: int) -> torch.Tensor:
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
 
@@ -213,13 +220,15 @@ _lib.impl("offload", _offload, "CUDA")
 _lib.impl("prefetch", _prefetch, "CPU")
 _lib.impl("wait", _wait, "CompositeExplicitAutograd")
 _lib.impl("drop", _drop, "CompositeExplicitAutograd")
+_lib.impl("after", _after, "CompositeExplicitAutograd")
 _lib.impl("offload", _offload_meta, "Meta")
 _lib.impl("prefetch", _prefetch_meta, "Meta")
 
 
 # Fake kernels: what a compiler (inductor) sees when it traces a rewritten graph with fake tensors.
 # ``offload`` makes a host tensor, ``prefetch`` a device one, ``wait`` returns its input (an alias,
-# as its schema says) and ``drop`` an empty tensor; all four stay calls into this module at run time.
+# as its schema says), ``drop`` an empty tensor and ``after`` its first input; all stay calls into this
+# module at run time.
 @torch.library.register_fake("fxpooch::offload", lib=_lib)
 def _offload_fake(x: torch.Tensor, slot: int) -> torch.Tensor:
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
@@ -232,6 +241,11 @@ def _prefetch_fake(host: torch.Tensor, device: torch.device, slot: int) -> torch
 
 @torch.library.register_fake("fxpooch::wait", lib=_lib)
 def _wait_fake(x: torch.Tensor, slot: int) -> torch.Tensor:
+    return x
+
+
+@torch.library.register_fake("fxpooch::after", lib=_lib)
+def _after_fake(x: torch.Tensor, done: list[torch.Tensor]) -> torch.Tensor:
     return x
 
 
