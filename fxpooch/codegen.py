@@ -94,6 +94,7 @@ def _order_copies(graph: fx.Graph) -> None:
             last_use[arg] = node
     live: dict[fx.Node, None] = {}  # computed tensors read later, in order
     for node in list(graph.nodes):
+        inputs = node.all_input_nodes  # before pinning: the copy's input dies here, not at its pin
         if node.target in _COPIES:
             done = [m for m in live if m not in node.args]
             if done:
@@ -101,7 +102,7 @@ def _order_copies(graph: fx.Graph) -> None:
                     pinned = graph.call_function(torch.ops.fxpooch.after.default, (node.args[0], done))
                 pinned.meta["val"] = node.args[0].meta.get("val")
                 node.update_arg(0, pinned)
-        for arg in node.all_input_nodes:
+        for arg in inputs:
             if last_use.get(arg) is node:
                 live.pop(arg, None)
         if node.op == "call_function" and isinstance(node.meta.get("val"), torch.Tensor) and node in last_use:
