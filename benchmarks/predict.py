@@ -50,8 +50,8 @@ from tabulate import tabulate
 import fxpooch
 from fxpooch import models as zoo
 from fxpooch.profile import Profile
-from fxpooch.timing import ProfileOptions, measure_profile
 from fxpooch.simulator import simulate
+from fxpooch.timing import ProfileOptions, measure_profile
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
@@ -161,7 +161,7 @@ def run(names: list[str], rounds: int) -> list[dict[str, Any]]:
 def run_model(name: str, rounds: int) -> list[dict[str, Any]]:
     """The model's configurations compiled, then stepped in interleaved rounds right away (the profile
     the plans were made from is seconds old, not minutes), each round also profiling the step in situ
-    once more (:func:`now_profile`)."""
+    once more (:func:`profile_pass`)."""
     case = MODELS[name]
     torch.manual_seed(0)
     module, inputs = WithLoss(case.build()), case.inputs()
