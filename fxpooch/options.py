@@ -12,7 +12,8 @@ from .hardware import Hardware, Link, get_hardware
 from .limits import default_margin
 from .memory import Margin
 from .planners import Planner, resolve_planner
-from .profile import Profile, ProfileOptions
+from .profile import Profile
+from .timing import ProfileOptions
 from .units import parse_bytes
 
 #: the profile sources named by a string

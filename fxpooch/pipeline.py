@@ -35,7 +35,9 @@ from .memory import Margin, MemoryModel
 from .options import resolve_hardware, resolve_profile_source
 from .plan import Plan, activation_meta, activation_names, module_paths
 from .planners import Candidate, Planner, Problem, resolve_planner
-from .profile import Profile, ProfileOptions, analytic_profile, measure_host_link, measure_link, measure_profile
+from .calibrate import measure_host_link, measure_link
+from .profile import Profile, analytic_profile
+from .timing import ProfileOptions, measure_profile
 from .progress import stage
 from .schedule import Decision, build_schedule
 from .simulator import in_core_peak_bytes, simulate

@@ -26,7 +26,7 @@ from fxpooch import _torch_compat as compat
 from fxpooch import runtime
 from fxpooch.errors import HostPoolExhausted
 from fxpooch.memory import Margin
-from fxpooch.profile import LINK_SIZES, measure_link
+from fxpooch.calibrate import LINK_SIZES, measure_link
 from zoo import ZOO
 
 pytestmark = pytest.mark.skipif(

@@ -87,7 +87,8 @@ def test_a_calibrated_host_link_keeps_its_copies_on_the_compute_stream(tmp_path)
 
 
 def test_measured_host_link_times_the_copies_a_cpu_run_makes():
-    from fxpooch.profile import HOST_LINK_SIZES, ProfileOptions, measure_host_link
+    from fxpooch.calibrate import HOST_LINK_SIZES, measure_host_link
+    from fxpooch.timing import ProfileOptions
 
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # the thread clock times one intra-op thread (a copy split over more spins here)

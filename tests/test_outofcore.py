@@ -14,7 +14,7 @@ from fxpooch import pipeline, runtime
 from fxpooch.capture import FrugalForward, Recorder, capture_step
 from fxpooch.errors import HostPoolExhausted
 from fxpooch.memory import Margin
-from fxpooch.profile import ProfileOptions, measure_profile
+from fxpooch.timing import ProfileOptions, measure_profile
 from fxpooch.simulator import in_core_peak_bytes
 from measure import HOST_OPS, counting_graphs, measured_step_peak
 from memcount import LiveStorageCounter

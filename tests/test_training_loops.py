@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 import fxpooch
 from fxpooch.planners import Problem, get_planner
-from fxpooch.profile import ProfileOptions
+from fxpooch.timing import ProfileOptions
 from measure import HOST_OPS, StepCounter
 from memcount import resident_bytes
 
