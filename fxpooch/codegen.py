@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from . import _torch_compat as compat
@@ -45,22 +46,56 @@ def decompositions(codegen: str) -> dict | None:
     return compat.inductor_decompositions() if check_codegen(codegen) == "inductor" else None
 
 
-def compile_graph(gm: fx.GraphModule, codegen: str, *, is_backward: bool) -> Boxed:
-    """``gm`` made boxed (its inputs die at their last use), and the callable that runs it."""
-    compat.set_boxed_codegen(gm)
+def compile_pair(forward: fx.GraphModule, backward: fx.GraphModule, num_user_outputs: int,
+                 codegen: str) -> tuple[Boxed, Boxed]:
+    """A rewritten pair made boxed (inputs die at their last use), and the callables that run it.
+
+    With inductor the forward is compiled first. Its first ``num_user_outputs`` outputs (what the
+    caller gets: the step's outputs, mutated buffers) keep their traced strides; the layout of what
+    it saves for the backward is inductor's choice, as in ``torch.compile`` (convolution outputs stay
+    channels-last instead of being copied to the traced, contiguous layout), and the backward is
+    compiled for the strides the forward's code gives them. Same bytes either way: only the layout
+    differs. What the forward saves of its inputs (the parameters) is passed as it is, not as a
+    relaid copy the plan would not count; so is a host copy (the output of ``fxpooch::offload``,
+    which fixes its input's stride order)."""
+    compat.set_boxed_codegen(forward)
+    compat.set_boxed_codegen(backward)
     if check_codegen(codegen) == "fx":
-        return gm
-    copy = fx.GraphModule(gm, _plain_copy(gm.graph))
-    example = [n.meta["val"] for n in copy.graph.find_nodes(op="placeholder")]
-    compiled = compat.inductor_compile(copy, example, is_backward)
-    log.debug("inductor compiled a %s graph of %d nodes", "backward" if is_backward else "forward",
-              len(gm.graph.nodes))
-    return compiled
+        return forward, backward
+    fw_copy, fw_example = _inductor_input(forward)
+    outs = forward.graph.output_node().args[0]
+    # kept as they are, not copied to another layout: a forward input the backward reads (a parameter: the
+    # plan counts it once, as resident) and a host copy (the runtime's pool block)
+    fixed = [i for i, o in enumerate(outs) if i < num_user_outputs or _is_input_or_host_copy(o)]
+    fw_code, strides = compat.inductor_compile(fw_copy, fw_example, is_backward=False, fixed_outputs=fixed)
+    saved = strides[num_user_outputs:]  # what the forward saves for the backward, in order
+    bw_copy, bw_example = _inductor_input(backward)
+    # AOTAutograd's contract: the backward takes the saved symbolic ints first, then the saved values in
+    # the forward's order (then the incoming gradients); the strides of a symbolic int are None. A value
+    # the backward does not read (a dropped activation, recomputed instead) keeps its traced metadata.
+    read = [bool(p.users) for p in bw_copy.graph.find_nodes(op="placeholder")]
+    first = next((i for i, v in enumerate(bw_example) if not isinstance(v, torch.SymInt | int)), len(bw_example))
+    relaid = 0
+    for i, stride in enumerate(saved[:len(bw_example) - first], start=first):
+        value = bw_example[i]
+        if stride is not None and read[i] and isinstance(value, torch.Tensor) and tuple(value.stride()) != stride:
+            bw_example[i] = value.as_strided(value.shape, stride, value.storage_offset())
+            relaid += 1
+    bw_code, _ = compat.inductor_compile(bw_copy, bw_example, is_backward=True)
+    log.debug("inductor compiled a pair of %d forward and %d backward nodes; %d saved tensors laid out "
+              "otherwise than traced", len(forward.graph.nodes), len(backward.graph.nodes), relaid)
+    return fw_code, bw_code
 
 
 def compile_inference(gm: fx.GraphModule, example_inputs: list[Any]) -> Boxed:
     """An inference graph (grad disabled: nothing saved, nothing planned) compiled by inductor."""
-    return compat.inductor_compile(gm, example_inputs, is_backward=False)
+    return compat.inductor_compile(gm, example_inputs, is_backward=False)[0]
+
+
+def _inductor_input(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Any]]:
+    """A copy of ``gm`` for inductor (its passes edit the graph they get) and its example inputs."""
+    copy = fx.GraphModule(gm, _plain_copy(gm.graph))
+    return copy, [n.meta["val"] for n in copy.graph.find_nodes(op="placeholder")]
 
 
 def _plain_copy(graph: fx.Graph) -> fx.Graph:
@@ -69,3 +104,9 @@ def _plain_copy(graph: fx.Graph) -> fx.Graph:
     out = new.graph_copy(graph, {})
     new.output(out)
     return new
+
+
+def _is_input_or_host_copy(node: Any) -> bool:
+    """Whether ``node`` is a graph input or the output of one of fxpooch's ops (:mod:`fxpooch.runtime`)."""
+    return isinstance(node, fx.Node) and (node.op == "placeholder"
+                                          or getattr(node.target, "namespace", None) == "fxpooch")
