@@ -1,4 +1,4 @@
-"""Stage 7, code generation: how a rewritten forward or backward ``GraphModule`` runs.
+"""Stage 7, code generation: how a rewritten forward and backward ``GraphModule`` run.
 
 ``"fx"`` runs the module op by op (its generated Python calls each ATen op and ``fxpooch::`` op).
 ``"inductor"`` compiles the very same module with inductor (C++/OpenMP kernels on CPU, Triton on
@@ -8,7 +8,9 @@ CUDA): pointwise chains fuse into one kernel, a recompute chain included, while 
 backward read, so inductor neither drops nor moves them past their readers, and its reordering
 for peak memory is switched off so the plan's order is the order that runs). Inductor compiles a
 copy, because its passes edit the graph they are given: the module the caller inspects
-(``print_readable``) is the input of the compiled code, node for node.
+(``print_readable``) is the input of the compiled code, node for node. A pair compiles together
+(:func:`compile_pair`): the activations the forward saves keep the layout inductor computes them
+in, and the backward is compiled for it, as in ``torch.compile``.
 
 The graphs a plan rewrites for inductor must be captured with inductor's decompositions
 (:func:`decompositions`), since inductor lowers only decomposed ATen ops.
