@@ -2,6 +2,7 @@
 
     python benchmarks/compile.py            # both models, limits 100/50/33%, 11 rounds
     python benchmarks/compile.py --quick    # the CNN, limits 100/50%, 3 rounds, one budget compile
+    python benchmarks/compile.py --models cnn   # the CNN's rows of compile-cpu.json again, GPT-2's kept
 
 For each model: eager; torch.compile (inductor) in-core; fxpooch with each code generator
 (``fxpooch.codegen.CODEGENS``) at 100%, 50% and 33% of the in-core peak; ``torch.utils.checkpoint`` per
@@ -362,13 +363,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"targets: {sum(met)} met, {len(met) - sum(met)} missed, {unmatched} without an equal-memory "
           f"torch.compile budget to compare; {time.time() - started:.0f} s")
     out.parent.mkdir(parents=True, exist_ok=True)
+    run = {"args": vars(args), "started": started, "duration_s": time.time() - started}
+    kept, runs = _other_models(out, models)
+    runs.update({m: run for m in models})
     out.write_text(json.dumps({
         "device": "cpu", "threads": 1, "torch": torch.__version__, "fxpooch": fxpooch.__version__,
-        "models": {"gpt2": GPT, "cnn": CNN}, "args": vars(args), "started": started,
-        "duration_s": time.time() - started, "note": "peak: resident bytes + profiler allocator events over one "
-        "step; time/eager: median over rounds of the same-round ratio", "rows": rows}, indent=1, default=str))
-    print(f"wrote {out}")
+        "models": {"gpt2": GPT, "cnn": CNN}, **run, "runs": runs, "note": "peak: resident bytes + profiler "
+        "allocator events over one step; time/eager: median over rounds of the same-round ratio; runs: the run "
+        "each model's rows come from", "rows": kept + rows}, indent=1, default=str))
+    print(f"wrote {out}" + (f" (kept the rows of {', '.join(sorted({r['model'] for r in kept}))} from earlier runs)"
+                            if kept else ""))
     return 0
+
+
+def _other_models(out: Path, models: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows of ``out`` (a JSON this script wrote) of models not run now, and the run each came from:
+    ``--models cnn`` updates the CNN's rows of a full run's file and keeps GPT-2's."""
+    if not out.exists():
+        return [], {}
+    old = json.loads(out.read_text())
+    first = {k: old[k] for k in ("args", "started", "duration_s") if k in old}
+    kept = [r for r in old.get("rows", []) if r["model"] not in models]
+    runs = {m: r for m, r in old.get("runs", {m: first for m in {r["model"] for r in kept}}).items() if m not in models}
+    return kept, runs
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Everything here is a thin adapter; callers see plain functions with stable signa
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,33 +37,43 @@ def default_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -
     return _default(joint, joint_inputs, **kwargs)
 
 
-def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], is_backward: bool) -> Callable[[list[Any]], Any]:
+def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], is_backward: bool,
+                     fixed_outputs: Sequence[int] | None = None) -> tuple[Callable[[list[Any]], Any], list[Any]]:
     """``gm`` (an AOTAutograd forward or backward graph, its placeholders' ``meta["val"]`` fake
     tensors as ``example_inputs``) compiled by inductor, as a boxed callable (it takes one list and
-    clears it), in the graph's order: inductor's reordering for peak memory is off and no kernel
-    fuses work from both sides of an extern call (:class:`_InOrderFusion`). Inductor's FX graph cache
-    is off too: its key sees neither the fusion rule nor the output strides set here."""
+    clears it), and the strides each output has in the compiled code (None where not a tensor).
+
+    The outputs in ``fixed_outputs`` (all if None) keep their traced strides; inductor lays out the
+    others as it likes (it makes convolution outputs channels-last on CPU), as ``torch.compile``
+    does with the activations a forward saves. The code runs in the graph's order: inductor's
+    reordering for peak memory is off and no kernel fuses work from both sides of an extern call
+    (:class:`_InOrderFusion`)."""
     from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.virtualized import V
 
-    # every output keeps its traced strides (inductor keeps only "user visible" ones by default): the
-    # saved activations are the other graph's inputs, compiled separately against those strides
     output = gm.graph.find_nodes(op="output")[0]
     outs = output.args[0] if not isinstance(output.args[0], fx.Node) else output.args
-    output.meta["user_visible_output_idxs"] = [i for i, o in enumerate(outs) if isinstance(o, fx.Node)]
+    fixed = range(len(outs)) if fixed_outputs is None else fixed_outputs
+    visible = [i for i in fixed if isinstance(outs[i], fx.Node)]
+    output.meta["user_visible_output_idxs"] = visible
     fake_mode = detect_fake_mode(example_inputs)
     # A buffer inductor frees early and hands to a later kernel stays allocated in between, where the
     # plan has it freed: no reuse. On CUDA an offload's copy may still read its input after the call
     # returns (a side stream), so no kernel may write its output into an input's memory either; on
     # CPU the copy is done when the call returns.
     on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
-    with (tracing(TracingContext(fake_mode)),
-          config.patch(reorder_for_peak_memory=False, fx_graph_cache=False, allow_buffer_reuse=False,
-                       inplace_buffers=not on_cuda),
-          V.set_choices_handler(_InOrderFusion())):
-        return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+    # inductor's graph cache keys on neither the fusion rule nor which outputs keep their strides
+    tag = f"{torch.compiler.config.cache_key_tag}|fxpooch in-order fusion|fixed outputs {visible}"
+    with (tracing(TracingContext(fake_mode)), TracingContext.report_output_strides() as strides,
+          config.patch(reorder_for_peak_memory=False, allow_buffer_reuse=False, inplace_buffers=not on_cuda),
+          torch.compiler.config.patch(cache_key_tag=tag), V.set_choices_handler(_InOrderFusion())):
+        compiled = compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+    if strides is None or len(strides) != len(outs):
+        raise RuntimeError(f"inductor reported the strides of {None if strides is None else len(strides)} "
+                           f"outputs of a graph with {len(outs)}")
+    return compiled, [None if s is None else tuple(int(x) for x in s) for s in strides]
 
 
 def _in_order_fusion_type() -> type:

@@ -14,7 +14,7 @@ import torch.nn as nn
 from . import _torch_compat as compat
 from . import distributed
 from .capture import GraphPair, Recorder, StepSnapshot, UnplannedGraph
-from .codegen import compile_graph, decompositions
+from .codegen import compile_pair, decompositions
 from .debug import dump_graphs
 from .errors import InvalidMemoryLimit, PendingBackward, ReplanLimitExceeded, UnsupportedModel
 from .graph import NodeTable, StepGraph
@@ -282,8 +282,7 @@ class _Planned:
             for g, pair in enumerate(self.pairs):
                 rewritten = rewrite_pair(g, self.graph, self.table, self.plan.schedule)
                 dump_graphs(g, pair, rewritten)
-                code = (compile_graph(rewritten.forward, self.codegen, is_backward=False),
-                        compile_graph(rewritten.backward, self.codegen, is_backward=True))
+                code = compile_pair(rewritten.forward, rewritten.backward, pair.num_user_outputs, self.codegen)
                 self.rewritten.append((rewritten.forward, rewritten.backward, code))
         for pair, (forward, backward, code) in zip(self.pairs, self.rewritten):
             if only is None or pair is only:

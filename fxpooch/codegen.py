@@ -1,4 +1,4 @@
-"""Stage 7, code generation: how a rewritten forward or backward ``GraphModule`` runs.
+"""Stage 7, code generation: how a rewritten forward and backward ``GraphModule`` run.
 
 ``"fx"`` runs the module op by op (its generated Python calls each ATen op and ``fxpooch::`` op).
 ``"inductor"`` compiles the very same module with inductor (C++/OpenMP kernels on CPU, Triton on
@@ -8,7 +8,9 @@ CUDA): pointwise chains fuse into one kernel, a recompute chain included, while 
 backward read, so inductor neither drops nor moves them past their readers, and its reordering
 for peak memory is switched off so the plan's order is the order that runs). Inductor compiles a
 copy, because its passes edit the graph they are given: the module the caller inspects
-(``print_readable``) is the input of the compiled code, node for node.
+(``print_readable``) is the input of the compiled code, node for node. A pair compiles together
+(:func:`compile_pair`): the activations the forward saves keep the layout inductor computes them
+in, and the backward is compiled for it, as in ``torch.compile``.
 
 Inductor computes a pointwise value when a reader needs it in memory, fuses kernels across the
 graph's order and hands freed buffers to later kernels; each of these, measured, put a step's
@@ -55,23 +57,57 @@ def decompositions(codegen: str) -> dict | None:
     return compat.inductor_decompositions() if check_codegen(codegen) == "inductor" else None
 
 
-def compile_graph(gm: fx.GraphModule, codegen: str, *, is_backward: bool) -> Boxed:
-    """``gm`` made boxed (its inputs die at their last use), and the callable that runs it."""
-    compat.set_boxed_codegen(gm)
+def compile_pair(forward: fx.GraphModule, backward: fx.GraphModule, num_user_outputs: int,
+                 codegen: str) -> tuple[Boxed, Boxed]:
+    """A rewritten pair made boxed (inputs die at their last use), and the callables that run it.
+
+    With inductor the forward is compiled first. Its first ``num_user_outputs`` outputs (what the
+    caller gets: the step's outputs, mutated buffers) keep their traced strides; the layout of what
+    it saves for the backward is inductor's choice, as in ``torch.compile`` (convolution outputs stay
+    channels-last instead of being copied to the traced, contiguous layout), and the backward is
+    compiled for the strides the forward's code gives them. Same bytes either way: only the layout
+    differs. What the forward saves of its inputs (the parameters) is passed as it is, not as a
+    relaid copy the plan would not count; so is a host copy (the output of ``fxpooch::offload``,
+    which fixes its input's stride order)."""
+    compat.set_boxed_codegen(forward)
+    compat.set_boxed_codegen(backward)
     if check_codegen(codegen) == "fx":
-        return gm
-    copy = fx.GraphModule(gm, _plain_copy(gm.graph))
-    _order_copies(copy.graph)
-    example = [n.meta["val"] for n in copy.graph.find_nodes(op="placeholder")]
-    compiled = compat.inductor_compile(copy, example, is_backward)
-    log.debug("inductor compiled a %s graph of %d nodes", "backward" if is_backward else "forward",
-              len(gm.graph.nodes))
-    return compiled
+        return forward, backward
+    fw_copy, fw_example = _inductor_input(forward)
+    outs = forward.graph.output_node().args[0]
+    # kept as they are, not copied to another layout: a forward input the backward reads (a parameter: the
+    # plan counts it once, as resident) and a host copy (the runtime's pool block)
+    fixed = [i for i, o in enumerate(outs) if i < num_user_outputs or _is_input_or_host_copy(o)]
+    fw_code, strides = compat.inductor_compile(fw_copy, fw_example, is_backward=False, fixed_outputs=fixed)
+    saved = strides[num_user_outputs:]  # what the forward saves for the backward, in order
+    bw_copy, bw_example = _inductor_input(backward)
+    # AOTAutograd's contract: the backward takes the saved symbolic ints first, then the saved values in
+    # the forward's order (then the incoming gradients); the strides of a symbolic int are None. A value
+    # the backward does not read (a dropped activation, recomputed instead) keeps its traced metadata.
+    read = [bool(p.users) for p in bw_copy.graph.find_nodes(op="placeholder")]
+    first = next((i for i, v in enumerate(bw_example) if not isinstance(v, torch.SymInt | int)), len(bw_example))
+    relaid = 0
+    for i, stride in enumerate(saved[:len(bw_example) - first], start=first):
+        value = bw_example[i]
+        if stride is not None and read[i] and isinstance(value, torch.Tensor) and tuple(value.stride()) != stride:
+            bw_example[i] = value.as_strided(value.shape, stride, value.storage_offset())
+            relaid += 1
+    bw_code, _ = compat.inductor_compile(bw_copy, bw_example, is_backward=True)
+    log.debug("inductor compiled a pair of %d forward and %d backward nodes; %d saved tensors laid out "
+              "otherwise than traced", len(forward.graph.nodes), len(backward.graph.nodes), relaid)
+    return fw_code, bw_code
 
 
 def compile_inference(gm: fx.GraphModule, example_inputs: list[Any]) -> Boxed:
     """An inference graph (grad disabled: nothing saved, nothing planned) compiled by inductor."""
-    return compat.inductor_compile(gm, example_inputs, is_backward=False)
+    return compat.inductor_compile(gm, example_inputs, is_backward=False)[0]
+
+
+def _inductor_input(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[Any]]:
+    """A copy of ``gm`` for inductor (its passes edit the graph they get) and its example inputs."""
+    copy = fx.GraphModule(gm, _plain_copy(gm.graph))
+    _order_copies(copy.graph)
+    return copy, [n.meta["val"] for n in copy.graph.find_nodes(op="placeholder")]
 
 
 #: the ops that allocate or release activation memory where the plan put them
@@ -115,3 +151,9 @@ def _plain_copy(graph: fx.Graph) -> fx.Graph:
     out = new.graph_copy(graph, {})
     new.output(out)
     return new
+
+
+def _is_input_or_host_copy(node: Any) -> bool:
+    """Whether ``node`` is a graph input or the output of one of fxpooch's ops (:mod:`fxpooch.runtime`)."""
+    return isinstance(node, fx.Node) and (node.op == "placeholder"
+                                          or getattr(node.target, "namespace", None) == "fxpooch")

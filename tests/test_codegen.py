@@ -132,9 +132,10 @@ def test_fused_costs_price_a_pointwise_chain_as_one_kernel():
 
 
 @pytest.mark.parametrize("planner", ["in-core", "swap-all"])
-def test_inductor_keeps_the_traced_layout_of_what_the_backward_reads(planner: str):
-    # inductor makes convolution outputs channels-last on CPU; the backward, compiled on its own,
-    # was traced with contiguous saved tensors and host copies, and checks their strides when it runs
+def test_inductor_backward_reads_the_layout_the_forward_saves(planner: str):
+    # inductor makes convolution outputs channels-last on CPU. Kept in core, they are saved so (not copied
+    # to the traced, contiguous layout) and the backward, compiled on its own, is compiled for that layout;
+    # a host copy keeps the traced layout, and a saved parameter is the parameter itself (no relaid copy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(64, 256, 1), nn.ReLU(), nn.Conv2d(256, 256, 3, padding=1), nn.ReLU(),
                           nn.Conv2d(256, 64, 1))
@@ -142,13 +143,20 @@ def test_inductor_keeps_the_traced_layout_of_what_the_backward_reads(planner: st
     reference = copy.deepcopy(model)
     cm = fxpooch.compile(model, x, "1TiB", planner=planner, profile="analytic", codegen="inductor")
     assert cm.plan.counts()["keep" if planner == "in-core" else "swap"] == len(cm.plan.decisions) > 0
+    saved = cm(x).grad_fn.saved_tensors
+    activations = [t for t in saved if t.shape == (16, 256, 8, 8)]
+    assert activations
+    for t in activations:
+        assert t.is_contiguous() == (planner == "swap-all") != t.is_contiguous(memory_format=torch.channels_last)
+    assert {p.data_ptr() for p in model.parameters()} <= {t.data_ptr() for t in saved}
     compiled = torch.compile(reference, backend="inductor")
     for _ in range(2):
         for m in (model, reference):
             m.zero_grad(set_to_none=True)
         torch.testing.assert_close(train_step(cm, x), train_step(compiled, x), **INDUCTOR_TOL)
         for p, q in zip(model.parameters(), reference.parameters()):
-            # the layouts differ, so each weight gradient is summed in another order (observed 1e-5)
+            # a host copy's layout differs from torch.compile's, so its weight gradient is summed in
+            # another order (observed 1e-5)
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
 
 
