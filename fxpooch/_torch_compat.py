@@ -236,7 +236,9 @@ class ShardedGroup:
     all-gather sends); ``shards``: the ranks it shards over; ``reshards_after_forward``: the
     unsharded parameters are freed after the module's forward; ``plain``: default mixed precision
     and no CPU offload, on a 1-D mesh (parameters all-gathered in their own dtype);
-    ``reduce_scatter_buffers``: reduce-scatter inputs FSDP keeps alive between modules.
+    ``reduce_scatter_buffers``: reduce-scatter inputs FSDP keeps alive between modules;
+    ``reduces_gradients``: gradients are reduce-scattered after the backward (not accumulated
+    unsharded, ``set_requires_gradient_sync(False)``).
     """
 
     padded_shard_bytes: int
@@ -244,6 +246,7 @@ class ShardedGroup:
     reshards_after_forward: bool
     plain: bool
     reduce_scatter_buffers: int
+    reduces_gradients: bool
 
 
 def fsdp_sharded_group(module: Any) -> ShardedGroup | None:
@@ -260,4 +263,4 @@ def fsdp_sharded_group(module: Any) -> ShardedGroup | None:
     nbytes = sum(p.padded_sharded_param_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
     shards = mesh.shard_mesh_size if isinstance(mesh, FSDPMeshInfo) else 1
     return ShardedGroup(nbytes, shards, group.post_forward_mesh_info is not None, plain,
-                        group.reduce_scatter_max_input_buffers)
+                        group.reduce_scatter_max_input_buffers, group.reduce_grads)

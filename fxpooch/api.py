@@ -189,6 +189,8 @@ class CompiledModule(nn.Module):
         try:
             changed = fsdp.is_sharded(self) or fsdp.layout(self.model) != self._sharded
         except UnsupportedModel:
+            if self._sharded is not None:  # sharded as planned, but now in a way fxpooch does not plan
+                raise
             changed = True
         if changed:
             raise UnsupportedModel(

@@ -9,8 +9,8 @@ the root. fxpooch needs two more things of it:
 * blocks are not nested (no ``fully_shard`` inside a sharded block), keep the defaults for mixed
   precision (none), CPU offload (none) and ``reshard_after_forward`` (True), on a 1-D mesh.
 
-:func:`separate_graphs` gives each block's ``forward`` a code object of its own, so dynamo compiles one
-graph per block (identical blocks would otherwise share one graph, run several times per step, which
+:func:`separate_graphs` gives each block a ``forward`` with a code object of its own, so dynamo compiles
+one graph per block (identical blocks would otherwise share one graph, run several times per step, which
 a plan cannot hold) and the step is planned as one, over every block.
 
 What a rank holds beyond the planned graphs, counted as resident through the step (:func:`held_bytes`):
@@ -128,6 +128,10 @@ def layout(model: nn.Module) -> ShardedLayout | None:
             raise UnsupportedModel(
                 f"{name} is sharded with reshard_after_forward=False (or an int): its gathered parameters would stay "
                 "through the step, which fxpooch does not count; keep the default reshard_after_forward=True")
+        if not group.reduces_gradients:
+            raise UnsupportedModel(
+                f"{name} accumulates its gradients unsharded (set_requires_gradient_sync(False)), which fxpooch does "
+                "not count: keep gradient sync on, or accumulate by adding the losses of several micro-batches")
         blocks.append((name, group))
     if not blocks:
         raise UnsupportedModel("fully_shard was applied but no sharded block holds parameters: shard each block "
@@ -136,16 +140,20 @@ def layout(model: nn.Module) -> ShardedLayout | None:
 
 
 def separate_graphs(model: nn.Module, sharded: ShardedLayout) -> None:
-    """Give each sharded block's ``forward`` a code object of its own (an instance attribute that calls
-    the class's forward), so that dynamo compiles a graph per block instead of one shared by all."""
+    """Give each sharded block a class of its own whose ``forward`` (calling the block's own) has a code
+    object of its own, so that dynamo compiles a graph per block instead of one shared by all.
+
+    A class, not an instance attribute: a copy of the block (``copy.deepcopy``) keeps calling its own
+    forward. ``fully_shard`` swaps the class the same way."""
     modules = dict(model.named_modules())
     for name, _ in sharded.blocks:
         block = modules[name]
-        if getattr(block.__dict__.get("forward"), _ENTRY_TAG, False):
+        base = type(block)
+        if base.__dict__.get(_ENTRY_TAG, False):
             continue
-        entry = compat.fresh_entry(block.forward, f"{_ENTRY_TAG}_{name.replace('.', '_')}")
-        setattr(entry, _ENTRY_TAG, True)
-        block.forward = entry
+        forward = compat.fresh_entry(base.forward, f"{_ENTRY_TAG}_{name.replace('.', '_')}")
+        block.__class__ = type(base.__name__, (base,), {"forward": forward, _ENTRY_TAG: True,
+                                                        "__module__": base.__module__})
 
 
 def held_bytes(model: nn.Module, sharded: ShardedLayout | None, device: torch.device) -> int:

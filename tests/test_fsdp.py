@@ -170,6 +170,11 @@ def _refused_case(rank: int) -> None:
             fxpooch.compile(model, x, "1GiB", **ANALYTIC)
     with pytest.raises(fxpooch.UnsupportedModel, match="the model given to fxpooch is not"):
         fxpooch.compile(nn.Sequential(sharded()), x, "1GiB", **ANALYTIC)
+    model = sharded()
+    compiled = fxpooch.compile(model, x, "1GiB", **ANALYTIC)
+    model.set_requires_gradient_sync(False)  # accumulating unsharded gradients: checked at each step
+    with pytest.raises(fxpooch.UnsupportedModel, match="set_requires_gradient_sync"):
+        compiled(x)
     model = Net()
     compiled = fxpooch.compile(model, x, "1GiB", **ANALYTIC)
     fully_shard(model)
