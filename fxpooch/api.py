@@ -82,10 +82,10 @@ class CompiledModule(nn.Module):
     def __init__(self, model: nn.Module, mem_limit: int, options: CompileOptions):
         super().__init__()
         self.model = model
-        self.mem_limit = mem_limit
-        self.options = options
-        self._recorder = Recorder(decompositions(options.codegen))
         self._sharded = fsdp.layout(model)  # FSDP2's blocks, each given a graph of its own
+        self.mem_limit = mem_limit
+        self.options = options = fsdp.options_for(options, self._sharded)
+        self._recorder = Recorder(decompositions(options.codegen))
         if self._sharded is not None:
             fsdp.separate_graphs(model, self._sharded)
         self._compiled = compile_entry(model, self._recorder)
@@ -348,9 +348,10 @@ def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner:
     The other arguments are as in :func:`compile` (see :class:`CompileOptions`).
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
-    options = CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link,
-                             profile_mode=profile_mode, margin=margin, outputs_held=outputs_held)
     sharded = fsdp.layout(model)
+    options = fsdp.options_for(CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link,
+                                              profile_mode=profile_mode, margin=margin, outputs_held=outputs_held),
+                               sharded)
     if sharded is not None:
         fsdp.separate_graphs(model, sharded)
     held = fsdp.held_bytes(model, sharded, step_device(model, args, kwargs))

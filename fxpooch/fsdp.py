@@ -7,7 +7,8 @@ the root. fxpooch needs two more things of it:
   output head as blocks of their own): FSDP's hooks around each block are graph breaks, so the
   root's forward runs outside dynamo, and a layer there would run unplanned;
 * blocks are not nested (no ``fully_shard`` inside a sharded block), keep the defaults for mixed
-  precision (none), CPU offload (none) and ``reshard_after_forward`` (True), on a 1-D mesh.
+  precision (none), CPU offload (none) and ``reshard_after_forward`` (True), on a 1-D mesh, and
+  reduce-scatter their gradients at every step (no ``set_requires_gradient_sync(False)``).
 
 :func:`separate_graphs` gives each block a ``forward`` with a code object of its own, so dynamo compiles
 one graph per block (identical blocks would otherwise share one graph, run several times per step, which
@@ -23,21 +24,23 @@ What a rank holds beyond the planned graphs, counted as resident through the ste
   output being copied out, and ``U`` for each reduce-scatter input FSDP keeps in flight
   (``set_reduce_scatter_max_input_buffers``, 1 by default): ``(3 + buffers) * U``.
 
-The unsharded gradients a block's backward produces are counted by the plan itself, as every
-graph's gradients are: held to the end of the step. FSDP reduce-scatters and frees them after each
-block's backward, so the plan is an upper bound of the rank's peak, above it by up to the unsharded
-gradients of all blocks but one and by the window's slack.
+The unsharded gradients a block's backward returns are counted by the plan until that backward call
+returns (``build_step_graph(gradients_reduced=True)``): FSDP's post-backward hook then copies them
+into its reduce-scatter input (in the window) and frees them. The window's parts are not all held at
+once, so the plan is an upper bound of the rank's peak, above it by at most the window.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from . import _torch_compat as compat
-from .errors import UnsupportedModel
+from .errors import InvalidOption, UnsupportedModel
 from .memory import MemoryModel
+from .options import CompileOptions
 
 #: gathered blocks FSDP holds at most at once besides its reduce-scatter inputs: the one computing,
 #: the one prefetched (or the previous all-gather output), and an all-gather output being copied out
@@ -55,11 +58,6 @@ class ShardedLayout:
     @property
     def largest_unsharded_bytes(self) -> int:
         return max(g.padded_shard_bytes * g.shards for _, g in self.blocks)
-
-    @property
-    def shard_bytes(self) -> int:
-        """The rank's padded parameter shards (its gradient shards take as much)."""
-        return sum(g.padded_shard_bytes for _, g in self.blocks)
 
     @property
     def window_bytes(self) -> int:
@@ -165,7 +163,19 @@ def held_bytes(model: nn.Module, sharded: ShardedLayout | None, device: torch.de
     memory = MemoryModel.for_device(device)
     # a block's gradient shards are views of one reduce-scatter output (existing ones are resident already)
     missing = any(p.grad is None for p in model.parameters() if p.requires_grad)
-    return memory.round(sharded.window_bytes) + (sum(memory.round(g.padded_shard_bytes) for _, g in sharded.blocks) if missing else 0)
+    gradient_shards = sum(memory.round(g.padded_shard_bytes) for _, g in sharded.blocks) if missing else 0
+    return memory.round(sharded.window_bytes) + gradient_shards
+
+
+def options_for(options: CompileOptions, sharded: ShardedLayout | None) -> CompileOptions:
+    """``options`` for a sharded model: a measured profile times each node alone on fresh inputs, since
+    the captured inputs of the blocks' graphs include gathered parameters FSDP has freed since."""
+    if sharded is None or options.profile_source != "measure" or options.profile_mode == "per-node":
+        return options
+    if options.profile_mode == "in-situ":
+        raise InvalidOption("profile_mode='in-situ' on a model FSDP shards: the captured inputs include gathered "
+                            "parameters that FSDP frees after each block; pass profile_mode='per-node' or 'auto'")
+    return dataclasses.replace(options, profile_mode="per-node")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -178,4 +188,4 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-__all__ = ["ShardedLayout", "held_bytes", "is_sharded", "layout", "local_tensor", "separate_graphs"]
+__all__ = ["ShardedLayout", "held_bytes", "is_sharded", "layout", "local_tensor", "options_for", "separate_graphs"]

@@ -124,6 +124,8 @@ def _peak_case(rank: int) -> None:
     # profiled from before compile: every block the steps free was seen allocated, so the running sum
     # is exact above what was alive before (the shards and the batch)
     resident = sum(t.untyped_storage().nbytes() for t in [*(p.to_local() for p in model.parameters()), x])
+    del probe
+    gc.collect()  # the probe's blocks freed now, not while profiling (where their frees would not be seen)
     with profiled_memory() as mem:
         compiled = fxpooch.compile(model, x, limit, **ANALYTIC)
         _step(compiled, x)  # the first step fills the host pool that the swaps reuse
@@ -186,8 +188,24 @@ def _refused_case(rank: int) -> None:
         compiled(x)
 
 
+def _measured_profile_case(rank: int) -> None:
+    """A measured profile times each node alone: the captured inputs hold gathered parameters FSDP freed."""
+    x = torch.randn(N, N) + rank
+    torch.manual_seed(0)
+    model, ref = sharded(), sharded()
+    ref.load_state_dict(model.state_dict())
+    compiled = fxpooch.compile(model, x, "1GiB", profile="measure")
+    assert compiled.options.profile_mode == "per-node"
+    _step(compiled, x)
+    _step(ref, x)
+    _assert_same(model, ref)
+    with pytest.raises(fxpooch.InvalidOption, match="in-situ"):
+        fxpooch.compile(sharded(), x, "1GiB", profile="measure", profile_mode="in-situ")
+
+
 def _cases(rank: int) -> None:
     _peak_case(rank)
+    _measured_profile_case(rank)
     _refused_case(rank)
 
 
