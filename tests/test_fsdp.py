@@ -172,6 +172,12 @@ def _refused_case(rank: int) -> None:
             fxpooch.compile(model, x, "1GiB", **ANALYTIC)
     with pytest.raises(fxpooch.UnsupportedModel, match="the model given to fxpooch is not"):
         fxpooch.compile(nn.Sequential(sharded()), x, "1GiB", **ANALYTIC)
+    model = sharded()  # torch.compile per block with the fxpooch backend: the blocks share one graph
+    backend = fxpooch.backend("1GiB", **ANALYTIC)
+    for block in model.blocks:
+        block.compile(backend=backend)
+    with pytest.raises(fxpooch.UnsupportedModel, match="runs twice in one step"):
+        model(x)
     model = sharded()
     compiled = fxpooch.compile(model, x, "1GiB", **ANALYTIC)
     model.set_requires_gradient_sync(False)  # accumulating unsharded gradients: checked at each step
