@@ -98,8 +98,14 @@ class _Step:
                          if isinstance(t, torch.Tensor))
 
     def reads_made(self, args: list[Any]) -> bool:
-        """Whether ``args`` include a user output of this step's pairs (a graph run on what the step made)."""
-        return any(isinstance(t, torch.Tensor) and compat.storage_key(t) in self.made for t in compat.tree_leaves(args))
+        """Whether ``args`` include a user output of this step's pairs that is still alive (a graph run
+        on what the step made; a dead one's storage key may have been reused)."""
+        for t in compat.tree_leaves(args):
+            key = compat.storage_key(t) if isinstance(t, torch.Tensor) else None
+            entry = self.outputs.live.get(key) if key in self.made else None
+            if entry is not None and entry[0]() is not None:
+                return True
+        return False
 
     def held_bytes(self, args: list[Any]) -> int:
         """What is resident for a pair about to run with ``args``: what the step holds, and its inputs."""
