@@ -263,4 +263,5 @@ def fsdp_sharded_group(module: Any) -> ShardedGroup | None:
     nbytes = sum(p.padded_sharded_param_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
     shards = mesh.shard_mesh_size if isinstance(mesh, FSDPMeshInfo) else 1
     return ShardedGroup(nbytes, shards, group.post_forward_mesh_info is not None, plain,
-                        group.reduce_scatter_max_input_buffers, group.reduce_grads)
+                        getattr(group, "reduce_scatter_max_input_buffers", 1),  # one where torch lacks the setting
+                        group.reduce_grads)
