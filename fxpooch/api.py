@@ -238,6 +238,7 @@ class CompiledModule(nn.Module):
     def _replan(self, args: tuple, kwargs: dict, cause: str) -> _Planned:
         """The plan of the graphs this step runs: a cached one if its graphs were planned already."""
         # Step 1, trace: capture the step through this module's dynamo entry
+        fsdp.check_inputs(self._sharded, (args, kwargs))
         device = step_device(self.model, args, kwargs)
         held = distributed.held_bytes(self._wrapper, device) + fsdp.held_bytes(self.model, self._sharded, device)
         step = trace_step(self.model, args, kwargs, compiled=self._compiled, recorder=self._recorder,
@@ -349,6 +350,7 @@ def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner:
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
     sharded = fsdp.layout(model)
+    fsdp.check_inputs(sharded, (args, kwargs))
     options = fsdp.options_for(CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link,
                                               profile_mode=profile_mode, margin=margin, outputs_held=outputs_held),
                                sharded)

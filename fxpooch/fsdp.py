@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -167,6 +168,16 @@ def held_bytes(model: nn.Module, sharded: ShardedLayout | None, device: torch.de
     return memory.round(sharded.window_bytes) + gradient_shards
 
 
+def check_inputs(sharded: ShardedLayout | None, inputs: Any) -> None:
+    """An input that requires grad would keep its gradient to the step's end, where a sharded step's plan
+    frees every gradient once its backward graph returns."""
+    leaves = compat.tree_leaves(inputs)
+    if sharded is not None and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        raise UnsupportedModel("an input of a model FSDP shards requires grad: fxpooch plans a sharded step's "
+                               "gradients as reduce-scattered (freed after their block's backward), not kept in "
+                               "an input's .grad; pass inputs that do not require grad")
+
+
 def options_for(options: CompileOptions, sharded: ShardedLayout | None) -> CompileOptions:
     """``options`` for a sharded model: a measured profile times each node alone on fresh inputs, since
     the captured inputs of the blocks' graphs include gathered parameters FSDP has freed since."""
@@ -188,4 +199,5 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-__all__ = ["ShardedLayout", "held_bytes", "is_sharded", "layout", "local_tensor", "options_for", "separate_graphs"]
+__all__ = ["ShardedLayout", "check_inputs", "held_bytes", "is_sharded", "layout", "local_tensor", "options_for",
+           "separate_graphs"]

@@ -170,6 +170,8 @@ def _refused_case(rank: int) -> None:
     for message, model in refused.items():
         with pytest.raises(fxpooch.UnsupportedModel, match=message):
             fxpooch.compile(model, x, "1GiB", **ANALYTIC)
+    with pytest.raises(fxpooch.UnsupportedModel, match="requires grad"):
+        fxpooch.compile(sharded(), x.clone().requires_grad_(), "1GiB", **ANALYTIC)
     with pytest.raises(fxpooch.UnsupportedModel, match="the model given to fxpooch is not"):
         fxpooch.compile(nn.Sequential(sharded()), x, "1GiB", **ANALYTIC)
     model = sharded()  # torch.compile per block with the fxpooch backend: the blocks share one graph
