@@ -32,6 +32,7 @@ once, so the plan is an upper bound of the rank's peak, above it by at most the 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +69,9 @@ class ShardedLayout:
 
 
 def _fsdp_classes() -> tuple[type, type] | None:
-    if not torch.distributed.is_available():
+    """FSDP2's and FSDP1's module classes; None where nothing can be sharded (torch.distributed is not
+    built, or FSDP was never imported: a model is sharded through it, so it is not imported here)."""
+    if not torch.distributed.is_available() or "torch.distributed.fsdp" not in sys.modules:
         return None
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
