@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from . import _torch_compat as compat
-from . import distributed
+from . import distributed, fsdp
 from .capture import GraphPair, Recorder, StepSnapshot, UnplannedGraph
 from .codegen import compile_pair, decompositions
 from .debug import dump_graphs
@@ -82,9 +82,12 @@ class CompiledModule(nn.Module):
     def __init__(self, model: nn.Module, mem_limit: int, options: CompileOptions):
         super().__init__()
         self.model = model
+        self._sharded = fsdp.layout(model)  # FSDP2's blocks, each given a graph of its own
         self.mem_limit = mem_limit
-        self.options = options
+        self.options = options = fsdp.options_for(options, self._sharded)
         self._recorder = Recorder(decompositions(options.codegen))
+        if self._sharded is not None:
+            fsdp.separate_graphs(model, self._sharded)
         self._compiled = compile_entry(model, self._recorder)
         self._wrapper = distributed.active_wrapper()  # the DDP wrapper the plans are made inside, if any
         self._by_wrapper: dict[nn.Module | None, tuple[dict, dict]] = {}  # the plans made inside other wrappers
@@ -140,7 +143,7 @@ class CompiledModule(nn.Module):
             # no_grad / inference_mode (evaluation): no backward, nothing saved, nothing to plan
             with compat.dynamo_limits():
                 return self._compiled(*args, **kwargs)
-        distributed.check_not_sharded(self)  # fully_shard applied after compile (to the model or to this module)
+        self._check_sharding_unchanged()
         if distributed.active_wrapper() is not self._wrapper:
             self._enter_wrapper(distributed.active_wrapper())
         self._check_previous_backward()
@@ -180,6 +183,20 @@ class CompiledModule(nn.Module):
         planned = self._replan(args, kwargs, "compile")
         self._predicted[self._seen_as(args, kwargs, planned.grads)] = planned.key
         self._use(planned)
+
+    def _check_sharding_unchanged(self) -> None:
+        """fully_shard applied after compile (to the model or to this module) would not be counted."""
+        try:
+            changed = fsdp.is_sharded(self) or fsdp.layout(self.model) != self._sharded
+        except UnsupportedModel:
+            if self._sharded is not None:  # sharded as planned, but now in a way fxpooch does not plan
+                raise
+            changed = True
+        if changed:
+            raise UnsupportedModel(
+                "fully_shard was applied after fxpooch.compile (to the model or to the compiled module), so the "
+                "plans do not count what FSDP holds: apply fully_shard to each block and then to the root before "
+                "fxpooch.compile(root, ...)")
 
     def _enter_wrapper(self, wrapper: nn.Module | None) -> None:
         """Now running inside another DDP wrapper (or none): use the plans made there, which count what
@@ -221,9 +238,12 @@ class CompiledModule(nn.Module):
     def _replan(self, args: tuple, kwargs: dict, cause: str) -> _Planned:
         """The plan of the graphs this step runs: a cached one if its graphs were planned already."""
         # Step 1, trace: capture the step through this module's dynamo entry
-        held = distributed.held_bytes(self._wrapper, step_device(self.model, args, kwargs))
+        fsdp.check_inputs(self._sharded, (args, kwargs))
+        device = step_device(self.model, args, kwargs)
+        held = distributed.held_bytes(self._wrapper, device) + fsdp.held_bytes(self.model, self._sharded, device)
         step = trace_step(self.model, args, kwargs, compiled=self._compiled, recorder=self._recorder,
-                          outputs_held=self.options.outputs_held, held_bytes=held)
+                          outputs_held=self.options.outputs_held, held_bytes=held,
+                          gradients_reduced=self._sharded is not None)
         known = self._plans.get(step.key)
         if known is not None:
             return known
@@ -295,7 +315,7 @@ def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, plan
                 hardware: str | Hardware | None = None):
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    distributed.check_not_sharded(model)
+    fsdp.layout(model)  # a sharded layout fxpooch does not plan is refused here
     parse_limit(mem_limit)  # a malformed limit fails before anything else
     resolve_planner(planner)  # fail fast on an unknown name
     args, kwargs = _split_example(example_input)
@@ -328,9 +348,17 @@ def plan(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner:
     The other arguments are as in :func:`compile` (see :class:`CompileOptions`).
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
-    options = CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link,
-                             profile_mode=profile_mode, margin=margin, outputs_held=outputs_held)
-    return _profile_and_plan(trace_step(model, args, kwargs, outputs_held=outputs_held), limit, options)
+    sharded = fsdp.layout(model)
+    fsdp.check_inputs(sharded, (args, kwargs))
+    options = fsdp.options_for(CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link,
+                                              profile_mode=profile_mode, margin=margin, outputs_held=outputs_held),
+                               sharded)
+    if sharded is not None:
+        fsdp.separate_graphs(model, sharded)
+    held = fsdp.held_bytes(model, sharded, step_device(model, args, kwargs))
+    step = trace_step(model, args, kwargs, outputs_held=outputs_held, held_bytes=held,
+                      gradients_reduced=sharded is not None)
+    return _profile_and_plan(step, limit, options)
 
 
 def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, planner: str | Planner = "local",

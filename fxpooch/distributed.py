@@ -15,8 +15,7 @@ off while fxpooch runs (see ``_torch_compat.dynamo_limits``): every activation s
 and the all-reduce starts when a backward graph has produced its gradients, not in the middle
 of it (no overlap within a graph).
 
-FSDP (``fully_shard`` and ``FullyShardedDataParallel``) is not supported yet: see
-:func:`check_not_sharded`.
+Sharding with FSDP2's ``fully_shard`` is :mod:`fxpooch.fsdp`'s.
 """
 from __future__ import annotations
 
@@ -28,7 +27,6 @@ import torch
 import torch.nn as nn
 
 from . import _torch_compat as compat
-from .errors import UnsupportedModel
 from .memory import MemoryModel
 
 
@@ -60,23 +58,6 @@ def held_bytes(wrapper: nn.Module | None, device: torch.device) -> int:
     ignored = set(getattr(wrapper, "parameters_to_ignore", ()))
     return sum(memory.tensor_bytes(p) for name, p in wrapper.module.named_parameters()
                if p.requires_grad and name not in ignored)
-
-
-def check_not_sharded(model: nn.Module) -> None:
-    """Raise :class:`UnsupportedModel` for a model whose parameters FSDP shards (FSDP2's
-    ``fully_shard`` anywhere in it, or FSDP1): the plan would not count what FSDP gathers."""
-    if not torch.distributed.is_available():
-        return
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    sharded = [name or "the model" for name, m in model.named_modules()
-               if isinstance(m, (FSDPModule, FullyShardedDataParallel))]
-    if sharded:
-        raise UnsupportedModel(
-            f"{sharded[0]} is sharded by FSDP (fully_shard or FullyShardedDataParallel): fxpooch does not plan "
-            "FSDP's gathered parameters and gradient shards yet, so its plan would not hold on a rank. Replicate "
-            "the model with DistributedDataParallel instead (DDP(fxpooch.compile(model, ...)) or "
-            "fxpooch.compile(DDP(model), ...)), or shard it without fxpooch (torch.compile per block)")
 
 
 @contextlib.contextmanager

@@ -41,6 +41,10 @@ class BufferKind(str, enum.Enum):
     #: whole backward call (a gradient AOTAutograd has to copy to the traced layout, e.g. the
     #: expanded one of ``out.sum()``, dies at its last reader instead: again only lower)
     TANGENT = "tangent"
+    #: a gradient a backward graph returns, when FSDP shards the model (``build_step_graph(gradients_reduced=
+    #: True)``): held until its backward call returns, then reduce-scattered and freed (a parameter's), or
+    #: passed on as the earlier graph's incoming gradient (an input's; counted there as a TANGENT)
+    REDUCED = "reduced"
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,11 @@ class StepGraph:
 
     @functools.cached_property
     def tangent_buffers(self) -> tuple[tuple[int, ...], ...]:
-        """Per graph index: its backward's incoming-gradient buffers."""
+        """Per graph index: the buffers its backward call holds until it returns (its incoming
+        gradients, and the gradients it returns when they are :attr:`BufferKind.REDUCED`)."""
         out: list[list[int]] = [[] for _ in self.backward_range]
         for b, g in self.buffer_graph.items():
-            if self.buffers[b].kind is BufferKind.TANGENT:
+            if self.buffers[b].kind in (BufferKind.TANGENT, BufferKind.REDUCED):
                 out[g].append(b)
         return tuple(tuple(sorted(b)) for b in out)
 
@@ -182,12 +187,14 @@ def _is_dense(t: torch.Tensor) -> bool:
 
 
 def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_bytes: int, *,
-                     outputs_held: bool = True) -> tuple[StepGraph, NodeTable]:
+                     outputs_held: bool = True, gradients_reduced: bool = False) -> tuple[StepGraph, NodeTable]:
     """The framework-free step of ``pairs``. ``outputs_held``: the caller holds the model's outputs
     until the step ends (True), or drops them before calling backward on the loss (False: each
     lives until the forward returns, but a 0-dim one, the loss, and one the backward reads; the
     incoming gradients are then autograd's own, zeros for a dropped output, each freed after its
-    last reader instead of held through the backward call)."""
+    last reader instead of held through the backward call). ``gradients_reduced``: FSDP shards the
+    model, so the gradients each backward graph returns are freed once it returns (False: they
+    live until the step ends, as gradients accumulated into ``.grad``)."""
     ops: list[Op] = []
     nodes: list[fx.Node] = []
     op_of: dict[fx.Node, int] = {}
@@ -282,10 +289,11 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
         start = len(ops)
         for node in pair.backward.graph.nodes:
             if node.op == "output":
-                for n in node.all_input_nodes:  # gradients live until the step ends
+                returned = BufferKind.REDUCED if gradients_reduced else BufferKind.OUTPUT
+                for n in node.all_input_nodes:  # gradients live until the step ends (or the call returns)
                     for b in buffer_of[op_of[n]]:
                         if buffers[b].kind is BufferKind.TEMP:
-                            buffers[b] = Buffer(buffers[b].name, buffers[b].nbytes, BufferKind.OUTPUT)
+                            buffers[b] = Buffer(buffers[b].name, buffers[b].nbytes, returned)
                 continue
             if node.op == "placeholder" and bw_placeholders.index(node) < len(saved_nodes):
                 # a saved value: the same value the forward produced

@@ -28,6 +28,7 @@ import torch.nn as nn
 from . import _torch_compat as compat
 from .capture import GraphPair, Recorder, capture_step
 from .errors import InfeasibleMemoryLimit
+from .fsdp import local_tensor
 from .graph import NodeTable, StepGraph, build_step_graph
 from .hardware import Hardware, Link, get_hardware
 from .limits import DEFAULT_META_HARDWARE, HOST_PRESET
@@ -92,7 +93,7 @@ def step_device(model: nn.Module, args: tuple, kwargs: dict) -> torch.device:
 
 def trace_step(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None = None, *,
                compiled: Any = None, recorder: Recorder | None = None, undo_copies: bool = True,
-               outputs_held: bool = True, held_bytes: int = 0) -> TracedStep:
+               outputs_held: bool = True, held_bytes: int = 0, gradients_reduced: bool = False) -> TracedStep:
     """Step 1: run one training step of ``model(*args, **kwargs)`` to capture its graphs (without
     holding its activations; buffers and RNG state are put back) and build its :class:`StepGraph`.
 
@@ -103,7 +104,9 @@ def trace_step(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None
     ``meta`` device. ``outputs_held``: the caller holds the model's outputs until the step ends
     (the default), or drops them before the backward (:func:`fxpooch.graph.build_step_graph`).
     ``held_bytes``: device memory a wrapper holds through the step beyond the model's tensors
-    (DDP's gradient buckets, :func:`fxpooch.distributed.held_bytes`), counted as resident.
+    (DDP's gradient buckets, :func:`fxpooch.distributed.held_bytes`; FSDP's gathered parameters,
+    :func:`fxpooch.fsdp.held_bytes`), counted as resident. ``gradients_reduced``: FSDP frees each
+    backward graph's gradients once it returns (:func:`fxpooch.graph.build_step_graph`).
 
     >>> import torch, fxpooch
     >>> step = fxpooch.trace_step(torch.nn.Linear(512, 512), (torch.randn(512, 512),))
@@ -120,12 +123,14 @@ def trace_step(model: nn.Module, args: tuple = (), kwargs: dict[str, Any] | None
     device = step_device(model, args, kwargs)
     # resident through the step: parameters, buffers, existing gradients (accumulated into), inputs,
     # and the copies of the buffers the forward changes (kept to undo a step that an unplanned graph stops)
-    resident = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None),
+    # (a parameter FSDP shards counts as the rank's shard)
+    resident = [*map(local_tensor, model.parameters()), *model.buffers(),
+                *(local_tensor(p.grad) for p in model.parameters() if p.grad is not None),
                 *(t for t in compat.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
                 *(torch.empty_like(mod._buffers[name]) for mod, name in changed if undo_copies)]
     memory = MemoryModel.for_device(device)
     graph, table = build_step_graph(pairs, memory, memory.resident_bytes(resident) + held_bytes,
-                                    outputs_held=outputs_held)
+                                    outputs_held=outputs_held, gradients_reduced=gradients_reduced)
     return TracedStep(graph, table, pairs, inputs, changed, grad_state(model), device)
 
 

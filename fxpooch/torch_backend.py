@@ -97,6 +97,16 @@ class _Step:
         self.made.update(compat.storage_key(t) for t in compat.tree_leaves(list(out)[:pair.num_user_outputs])
                          if isinstance(t, torch.Tensor))
 
+    def reads_made(self, args: list[Any]) -> bool:
+        """Whether ``args`` include a user output of this step's pairs that is still alive (a graph run
+        on what the step made; a dead one's storage key may have been reused)."""
+        for t in compat.tree_leaves(args):
+            key = compat.storage_key(t) if isinstance(t, torch.Tensor) else None
+            entry = self.outputs.live.get(key) if key in self.made else None
+            if entry is not None and entry[0]() is not None:
+                return True
+        return False
+
     def held_bytes(self, args: list[Any]) -> int:
         """What is resident for a pair about to run with ``args``: what the step holds, and its inputs."""
         held = _Storages(self.memory, self.device, {**self.inputs.live, **self.outputs.live})
@@ -173,6 +183,8 @@ class Backend:
     # -- planning --------------------------------------------------------------------------
     def _on_forward(self, pair: GraphPair, args: list[Any]) -> Callable[[list[Any]], Any]:
         device = _device(args)
+        if self._step is not None and pair in self._step.pairs and self._step.reads_made(args):
+            raise _repeated_graph_error(pair)
         if self._step is None or pair in self._step.pairs:  # a new step (the last one's backward never ran)
             self._step = _Step(MemoryModel.for_device(device), device)
         step = self._step
@@ -242,6 +254,14 @@ class Backend:
         if runtime is None:
             runtime = self._runtimes[id(planned)] = Runtime(self.host_pool)
         return runtime
+
+
+def _repeated_graph_error(pair: GraphPair) -> UnsupportedModel:
+    return UnsupportedModel(
+        f"dynamo graph {pair.index} runs twice in one step, the second time on what the step made (a compiled "
+        "module called in a loop, or identical blocks compiled one by one, which share one graph: FSDP2's "
+        "torch.compile per block): fxpooch plans each graph once per step. Compile the whole model (with "
+        "FSDP2: fully_shard each block and the root, then fxpooch.compile(root, ...))")
 
 
 def _symbolic(value: Any) -> bool:

@@ -1,4 +1,4 @@
-"""fxpooch under DistributedDataParallel, two processes on gloo (loopback), and FSDP's typed error.
+"""fxpooch under DistributedDataParallel, two processes on gloo (loopback) (FSDP2: tests/test_fsdp.py).
 
 Each rank trains a planned copy and a plain-DDP copy of the same model on its own batch and
 checks, on every rank: gradients and updated parameters equal to plain DDP's, and the step's
@@ -192,26 +192,8 @@ def _cases(rank: int) -> None:
     _peak_case("compile(DDP(model))", user_module, rank)
     _options_case(rank)
     _moving_case(rank)
-    _fsdp_cases(rank)
 
 
-def _fsdp_cases(rank: int) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    x = torch.randn(N, N)
-    with pytest.raises(fxpooch.UnsupportedModel, match="sharded by FSDP"):
-        fxpooch.compile(fully_shard(sequential()), x, "1GiB", **ANALYTIC)
-    model = sequential()
-    compiled = fxpooch.compile(model, x, "1GiB", **ANALYTIC)
-    fully_shard(model)
-    with pytest.raises(fxpooch.UnsupportedModel, match="DistributedDataParallel instead"):
-        compiled(x)
-    compiled = fxpooch.compile(sequential(), x, "1GiB", **ANALYTIC)
-    fully_shard(compiled)
-    with pytest.raises(fxpooch.UnsupportedModel, match="sharded by FSDP"):
-        compiled(x)
-
-
-def test_ddp_both_orders_match_plain_ddp_and_stay_under_the_limit_fsdp_is_refused():
+def test_ddp_both_orders_match_plain_ddp_and_stay_under_the_limit():
     """One pair of processes for every case (starting them is most of the time)."""
     _spawn(_cases)

@@ -1,0 +1,146 @@
+"""Sharded data-parallel training with fxpooch and FSDP2 (fully_shard), on GPUs or on CPU (gloo).
+
+    torchrun --nproc-per-node 2 examples/fsdp.py                       # 60 % of the in-core peak per rank
+    torchrun --nproc-per-node 8 examples/fsdp.py --mem-limit 60GiB     # a limit in bytes per rank
+    python -m torch.distributed.run --nproc-per-node 2 examples/fsdp.py --steps 2   # the same, without torchrun
+
+A GPT-like decoder laid out as fxpooch plans FSDP2: the embeddings, each transformer block and the
+head with its loss are modules of their own, each sharded with ``fully_shard``, then the root; the
+root's forward only passes tensors from one to the next (it runs outside dynamo, between FSDP's
+hooks). Every rank plans its own step under ``--mem-limit`` (per rank: its parameter and gradient
+shards, FSDP's gathered parameters, its batch and activations), trains a few steps next to a plain
+FSDP2 copy of the model and prints, per rank, the largest gradient difference to plain FSDP2, the
+peak (``torch.cuda.max_memory_allocated`` on a GPU, both models resident; on a CPU only the plan's
+figure: tests/test_fsdp.py measures it there) and the step times of both.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+import fxpooch
+from fxpooch.models import GPTBlock
+from fxpooch.report import summary_rows
+from fxpooch.units import format_bytes
+
+
+class Embeddings(nn.Module):
+    def __init__(self, vocab: int, seq: int, d_model: int):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d_model), nn.Embedding(seq, d_model)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.wte(tokens) + self.wpe(torch.arange(tokens.size(1), device=tokens.device))
+
+
+class HeadWithLoss(nn.Module):
+    """The final norm, the LM head and the loss in one module, so the logits are planned too."""
+
+    def __init__(self, d_model: int, vocab: int):
+        super().__init__()
+        self.ln_f, self.lm_head = nn.LayerNorm(d_model), nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Decoder(nn.Module):
+    def __init__(self, n_layer: int = 4, d_model: int = 256, n_head: int = 4, seq: int = 128, vocab: int = 4096):
+        super().__init__()
+        self.embed = Embeddings(vocab, seq, d_model)
+        self.blocks = nn.ModuleList(GPTBlock(d_model, n_head, seq, 0.0, False) for _ in range(n_layer))
+        self.head = HeadWithLoss(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens[:, :-1])
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, tokens[:, 1:])
+
+
+def shard(model: Decoder) -> Decoder:
+    """fully_shard on each block (the embeddings and the head are blocks too), then on the root."""
+    for module in [model.embed, *model.blocks, model.head]:
+        fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mem-limit", default="60%", help="per rank, as fxpooch.compile takes it (default 60%%)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+
+    torch.manual_seed(0)  # the same initial model on every rank
+    model = Decoder().to(device)
+    reference = shard(copy.deepcopy(model))
+    model = shard(model)
+    generator = torch.Generator().manual_seed(1 + rank)  # each rank its own batch
+    tokens = torch.randint(0, 4096, (args.batch, 129), generator=generator).to(device)
+
+    compiled = fxpooch.compile(model, tokens, args.mem_limit)
+
+    def step(module: nn.Module, opt: torch.optim.Optimizer) -> float:
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        module(tokens).backward()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        opt.step()
+        return seconds
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
+    times: dict[str, list[float]] = {"fxpooch": [], "plain FSDP2": []}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(args.steps):  # interleaved, so both see the same machine load
+        times["fxpooch"].append(step(compiled, opt))
+        times["plain FSDP2"].append(step(reference, ref_opt))
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    opt.zero_grad(set_to_none=True)
+    ref_opt.zero_grad(set_to_none=True)
+    compiled(tokens).backward()  # compare one more step's gradients (both models took the same steps)
+    reference(tokens).backward()
+    diff = max((p.grad.full_tensor() - q.grad.full_tensor()).abs().max().item()
+               for p, q in zip(model.parameters(), reference.parameters()))
+
+    plan = compiled.plan
+    if rank == 0:
+        rows = "\n".join(f"  {label:<27}{value}" for label, value in summary_rows(plan))
+        print(f"FSDP2 on {world} rank(s), {device.type}; the plan of rank 0 (print(plan) lists every "
+              f"activation):\n{rows}", flush=True)
+    dist.barrier()
+    measured = f"measured peak {format_bytes(peak)} (max_memory_allocated, both models resident)" if cuda \
+        else "peak not measured on CPU"
+    print(f"rank {rank}: limit {format_bytes(plan.mem_limit)}, planned peak {format_bytes(plan.peak_bytes)}, "
+          f"{measured}; max |grad - plain FSDP2 grad| = {diff:.2e}; median step "
+          f"{statistics.median(times['fxpooch']) * 1e3:.1f} ms (plain FSDP2 "
+          f"{statistics.median(times['plain FSDP2']) * 1e3:.1f} ms)", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
