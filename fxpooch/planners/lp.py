@@ -128,7 +128,6 @@ def relaxation(bounds: Bounds) -> Model:
             model.hi[x[("s", a)]] = 0.0
         if rec[a] == math.inf:
             model.hi[x[("r", a)]] = 0.0
-    model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf], bounds.compute)
 
     points = [_Point(c.op, False, not c.backward, c.excess, c.candidates) for c in bounds.cuts]
     for rp in bounds.rebuild_points():
@@ -166,9 +165,8 @@ def relaxation(bounds: Bounds) -> Model:
         heads[a] = [b for b in y if bounds.first_reader[b] < bounds.first_reader[a]
                     and producer in chain_ops(graph, b, lambda c: True, ev.owner, strict=False)]
         model.ge([(ya, 1.0), *((y[b], 1.0) for b in heads[a]), (x[("r", a)], -1.0)], 0.0)
-    for a in range(n):  # a recomputable activation no backward op reads is never rebuilt
-        if a not in y and rec[a] < math.inf and bounds.first_reader[a] is not None:
-            log.debug("activation %d: recomputable but no rebuild point", a)
+    extra = _chain_sharing(bounds, model, x, y, rec)
+    model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf] + extra, bounds.compute)
 
     for i, p in enumerate(points):
         s_vars, r_vars = [], []
@@ -234,6 +232,47 @@ def relaxation(bounds: Bounds) -> Model:
             prev = r
         model.ge([(0, 1.0), (theta[i], -1.0)] + ([(prev, -1.0)] if prev is not None else []), suffix[p.op])
     return model
+
+
+def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int], rec: list[float]) -> list[tuple[int, float]]:
+    """A plan's schedule shares recompute segments or it does not (``sigma = 1``). Shared: a
+    head ``b``'s chain rebuilds every recomputed activation its shortest chain reads that is first
+    read later (``y_a + y_b + x_a^r - sigma <= 2``). Not shared: each chain reruns the shortest
+    chains of the recomputed activations it reads, and theirs in turn (``z_ac``); returns the
+    terms ``-seconds * z_ac`` those add to the step, each op counted once per chain."""
+    ev = bounds.ev
+    graph, owner = ev.graph, ev.owner
+    sigma = model.var(1.0, True)
+    chain = {a: chain_ops(graph, a, lambda c: False, owner, strict=False) for a in y}
+    reads = {a: sorted(c for c in {owner[v] for o in ops for v in graph.ops[o].recompute_args if v in owner} - {a}
+                       if c in y) for a, ops in chain.items()}
+    fr = bounds.first_reader
+    for b in y:
+        for a in reads[b]:
+            if fr[a] > fr[b]:
+                model.ge([(y[a], -1.0), (y[b], -1.0), (x[("r", a)], -1.0), (sigma, 1.0)], -2.0)
+    terms = []
+    op_time = ev.problem.costs.op_time
+    for a in y:
+        seen = set(chain[a])
+        parent = {c: None for c in reads[a]}
+        queue = list(reads[a])
+        while queue:
+            c = queue.pop(0)
+            z = model.var(1.0)
+            if parent[c] is None:
+                model.ge([(z, 1.0), (x[("r", a)], -1.0), (x[("r", c)], -1.0), (sigma, -1.0)], -2.0)
+            else:
+                model.ge([(z, 1.0), (parent[c], -1.0), (x[("r", c)], -1.0)], -1.0)
+            cost = sum(op_time[o] for o in chain[c] - seen)
+            seen |= chain[c]
+            if cost > 0:
+                terms.append((z, -cost))
+            for d in reads[c]:
+                if d not in parent and d != a:
+                    parent[d] = z
+                    queue.append(d)
+    return terms
 
 
 def solve(model: Model, integral: bool = False, time_limit: float | None = None):
