@@ -110,7 +110,7 @@ class RebuildPoint:
 
     op: int
     rebuilt: tuple[int, ...]  # recomputable activations first read by ``op``: a chain there rebuilds one
-    rebuild: int  # the least ``Bounds.rebuild_bytes`` among them
+    rebuild: int  # the least ``Bounds.rebuild`` bytes among them
     excess: int  # in-core memory there (resident included) beyond the limit, less the swap slack
     candidates: tuple[int, ...]  # live activations first read by ``op`` or later
 
@@ -271,27 +271,38 @@ class Bounds:
                 chosen[cand] = Cut(c, backward, prefix[c], between, prefix[-1] - prefix[c] - between, excess, cand)
         return list(chosen.values())
 
-    def rebuild_bytes(self, a: int) -> int:
-        """Device bytes live while activation ``a``'s producer runs again, beyond the in-core plan's
-        memory before the group of ops that rebuilds it: ``a``'s new storage, the other buffers its
-        producer allocates and those it reads that only a recompute chain makes (no activation's
-        storage and not resident). Every chain that rebuilds ``a`` runs its producer so."""
-        graph = self.ev.graph
-        p = graph.activations[a].producer
-        stored = {act.buffer for act in graph.activations}
-        extra = {b for b in (*graph.dynamic_allocs[p], *graph.recompute_read_buffers[p]) if b not in stored}
-        return self.nbytes[a] + sum(graph.buffers[b].nbytes for b in extra)
+    def rebuild(self, a: int, recomputable: Sequence[float]) -> tuple[int, set[int]]:
+        """While a chain rebuilds activation ``a`` at its first reader: the device bytes it holds
+        beyond the in-core plan's memory before that reader's group, at the op of ``a``'s shortest
+        chain where they are largest, and the other activations on the device then.
 
-    def chain_inputs(self, a: int, recomputable: Sequence[float]) -> set[int]:
-        """Other activations on the device whenever ``a``'s producer runs again at ``a``'s first
-        reader: those the producer reads, and those ``a``'s shortest chain reads that cannot be
-        recomputed (kept, or brought back before the chain). A recomputable one the chain reads
-        earlier may be rebuilt by it and freed before (an unshared chain)."""
+        At each op of the shortest chain (every chain that rebuilds ``a`` runs it), the buffers it
+        and the chain's earlier ops allocate that a later op of it reads, and ``a``'s new storage
+        once allocated, count (not other activations' storages, which the in-core plan holds
+        too); ``a`` itself is among the evicted there. On the device then: the activations that op
+        reads, and those the chain reads that cannot be recomputed (kept, or brought back before
+        the chain; a recomputable one read earlier may be rebuilt and freed before, when chains
+        are not shared). ``recomputable``: ``recompute_costs`` of nothing decided."""
         graph, owner = self.ev.graph, self.ev.owner
-        chain = chain_ops(graph, a, lambda c: False, owner, strict=False)
-        read = {owner[y] for o in chain for y in graph.ops[o].recompute_args if y in owner} - {a}
-        direct = {owner[y] for y in graph.ops[graph.activations[a].producer].recompute_args if y in owner} - {a}
-        return direct | {c for c in read if recomputable[c] == math.inf}
+        act = graph.activations[a]
+        chain = sorted(chain_ops(graph, a, lambda c: False, owner, strict=False))
+        stored = {x.buffer for x in graph.activations} - {act.buffer}
+        last = {}
+        for o in chain:
+            for b in graph.recompute_read_buffers[o]:
+                last[b] = o
+        live: dict[int, int] = {}
+        best, at = 0, act.producer
+        for o in chain:
+            live.update((b, graph.buffers[b].nbytes) for b in graph.dynamic_allocs[o] if b not in stored)
+            held = sum(live.values())
+            if held > best:
+                best, at = held, o
+            for b in [b for b in live if last.get(b, -1) <= o and b != act.buffer]:
+                del live[b]
+        inputs = {owner[v] for o in chain for v in graph.ops[o].recompute_args if v in owner} - {a}
+        direct = {owner[v] for v in graph.ops[at].recompute_args if v in owner} - {a}
+        return best, direct | {c for c in inputs if recomputable[c] == math.inf}
 
     def rebuild_points(self) -> list[RebuildPoint]:
         """Per backward op ``u`` that first reads a recomputable activation: the point just before
@@ -312,11 +323,12 @@ class Bounds:
             before = int(mem[i]) - sum(sched.instance_bytes[x] for x in set(sched.instrs[i].allocs)
                                        if sched.first_alloc[x] == i)
             live = [a for a in range(len(acts)) if span[a][0] < i <= span[a][1]]
-            read = set.intersection(*(self.chain_inputs(a, recomputable) for a in rebuilt))  # present while it runs
+            held = [self.rebuild(a, recomputable) for a in rebuilt]
+            read = set.intersection(*(inputs for _, inputs in held))  # on the device while it runs
             cand = tuple(a for a in live if self.first_reader[a] is not None and self.first_reader[a] >= u
                          and a not in read)
             slack = sum(max(0, self.nbytes[a] - acts[a].transfer_bytes) for a in live if acts[a].swappable)
-            out.append(RebuildPoint(u, tuple(rebuilt), min(self.rebuild_bytes(a) for a in rebuilt),
+            out.append(RebuildPoint(u, tuple(rebuilt), min(nbytes for nbytes, _ in held),
                                     int(base + before - slack), cand))
         return out
 

@@ -16,7 +16,7 @@ not present when ``u = first reader of a`` starts its group (it was not rebuilt 
 chain). Then a chain is emitted at ``u`` for some head ``h`` first read by ``u``, and while ``h``'s
 producer runs again (instant ``τ``) the device holds the in-core memory before ``u`` less the
 activations absent at ``τ``, plus ``h``'s new storage and the buffers only the chain makes
-(``Bounds.rebuild_bytes``; counting ``h`` among the evicted offsets its storage). So the
+(``Bounds.rebuild``, at the op of its chain where they are most; ``h`` is among the evicted). So the
 evictions at ``τ`` are at least ``excess_u + min rebuild bytes`` whenever ``y_a = 1`` for an ``a``
 first read by ``u``, and ``x_a^r <= y_a + sum y_b`` over the ``b`` first read earlier whose chains
 (through every recomputable activation) reach ``a``'s producer: a recomputed ``a`` is rebuilt at
