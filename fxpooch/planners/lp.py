@@ -154,10 +154,7 @@ def relaxation(bounds: Bounds) -> Model:
             model.ge([(theta[i], 1.0), (theta[i - 1], -1.0)], prefix[p.op] - prefix[points[i - 1].op])
 
     # y_a: recomputed a absent when its first reader's group starts
-    y = {}
-    for p in points:
-        for a in p.rebuilt:
-            y[a] = model.var(1.0, True)
+    y = {a: model.var(1.0, True) for a in range(n) if rec[a] < math.inf and bounds.first_reader[a] is not None}
     heads: dict[int, list[int]] = {}  # a -> the b whose chains may rebuild a before its first reader
     for a, ya in y.items():
         model.ge([(x[("r", a)], 1.0), (ya, -1.0)], 0.0)
