@@ -54,7 +54,10 @@ log = logging.getLogger("fxpooch.planner.lp")
 
 @dataclass
 class Model:
-    """``min c·v`` s.t. ``A_ub v <= b_ub``, ``A_eq v = b_eq``, ``lo <= v <= hi``; ``v[0]`` is T."""
+    """``min c·v`` s.t. ``A_ub v <= b_ub``, ``A_eq v = b_eq``, ``lo <= v <= hi``; ``v[0]`` is T in
+    seconds / ``unit``."""
+
+    unit: float = 1.0
 
     cost: list[float] = field(default_factory=lambda: [1.0])
     lo: list[float] = field(default_factory=lambda: [0.0])
@@ -114,17 +117,19 @@ def relaxation(bounds: Bounds) -> Model:
     graph, costs = ev.graph, ev.problem.costs
     acts = graph.activations
     n = len(acts)
-    rec = bounds.recompute_costs([None] * n)
+    unit = bounds.compute or 1.0  # times in units of the step's compute: HiGHS's tolerances are absolute
+    rec = [t / unit for t in bounds.recompute_costs([None] * n)]
+    d2h, h2d = [t / unit for t in bounds.d2h], [t / unit for t in bounds.h2d]
     prefix = [0.0]
     for t in costs.op_time:
-        prefix.append(prefix[-1] + t)
+        prefix.append(prefix[-1] + t / unit)
     forward_end = max(stop for _, stop in graph.forward_range)
-    suffix = bounds.suffix
-    model = Model()
+    suffix = [t / unit for t in bounds.suffix]
+    model = Model(unit=unit)
     x = {(d, a): model.var(1.0, True) for a in range(n) for d in "ksr"}
     for a in range(n):
         model.eqs.append(([(x[(d, a)], 1.0) for d in "ksr"], 1.0))
-        if bounds.d2h[a] == math.inf:
+        if d2h[a] == math.inf:
             model.hi[x[("s", a)]] = 0.0
         if rec[a] == math.inf:
             model.hi[x[("r", a)]] = 0.0
@@ -163,12 +168,12 @@ def relaxation(bounds: Bounds) -> Model:
                     and producer in chain_ops(graph, b, lambda c: True, ev.owner, strict=False)]
         model.ge([(ya, 1.0), *((y[b], 1.0) for b in heads[a]), (x[("r", a)], -1.0)], 0.0)
     extra = _chain_sharing(bounds, model, x, y, rec)
-    model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf] + extra, bounds.compute)
+    model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf] + extra, 1.0)
 
     for i, p in enumerate(points):
         s_vars, r_vars = [], []
         for a in p.candidates:
-            if bounds.d2h[a] < math.inf:
+            if d2h[a] < math.inf:
                 j = model.var(1.0, True)
                 model.ge([(x[("s", a)], 1.0), (j, -1.0)], 0.0)
                 s_vars.append((a, j))
@@ -193,11 +198,11 @@ def relaxation(bounds: Bounds) -> Model:
                 m = max(acts[a].members)
                 k = last_before_end_of(m)
                 if k is None or k >= i:
-                    model.ge([(f, 1.0), (j, -bounds.d2h[a])], prefix[m + 1])
+                    model.ge([(f, 1.0), (j, -d2h[a])], prefix[m + 1])
                 else:
-                    model.ge([(f, 1.0), (theta[k], -1.0), (j, -bounds.d2h[a])], prefix[m + 1] - prefix[points[k].op])
+                    model.ge([(f, 1.0), (theta[k], -1.0), (j, -d2h[a])], prefix[m + 1] - prefix[points[k].op])
                 if prev is not None:
-                    model.ge([(f, 1.0), (prev, -1.0), (j, -bounds.d2h[a])], 0.0)
+                    model.ge([(f, 1.0), (prev, -1.0), (j, -d2h[a])], 0.0)
                 prev = f
             if prev is not None:
                 model.ge([(theta[i], 1.0), (prev, -1.0)], 0.0)
@@ -209,7 +214,7 @@ def relaxation(bounds: Bounds) -> Model:
             if k is None:
                 continue
             e = model.var()
-            model.ge([(e, 1.0), (prev if prev is not None else theta[i], -1.0), (j, -bounds.h2d[a])],
+            model.ge([(e, 1.0), (prev if prev is not None else theta[i], -1.0), (j, -h2d[a])],
                      0.0 if prev is not None else between)
             model.ge([(0, 1.0), (e, -1.0)], suffix[k])
             q = at_or_after(k)
@@ -261,7 +266,7 @@ def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int], rec
                 model.ge([(z, 1.0), (x[("r", a)], -1.0), (x[("r", c)], -1.0), (sigma, -1.0)], -2.0)
             else:
                 model.ge([(z, 1.0), (parent[c], -1.0), (x[("r", c)], -1.0)], -1.0)
-            cost = sum(op_time[o] for o in chain[c] - seen)
+            cost = sum(op_time[o] for o in chain[c] - seen) / model.unit
             seen |= chain[c]
             if cost > 0:
                 terms.append((z, -cost))
@@ -297,10 +302,11 @@ def lp_lower_bound(ev: Evaluator) -> float:
         return cut_bound
     if cut_bound == math.inf:
         return cut_bound
-    res = solve(relaxation(bounds))
+    model = relaxation(bounds)
+    res = solve(model)
     if res.status == 2:  # infeasible: no split of the evictions meets every point
         return math.inf
     if res.status != 0:
         log.warning("LP relaxation: %s; the cut bound only", res.message)
         return cut_bound
-    return max(cut_bound, float(res.fun))
+    return max(cut_bound, float(res.fun) * model.unit)

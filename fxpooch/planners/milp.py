@@ -25,8 +25,8 @@ log = logging.getLogger("fxpooch.planner.milp")
 @dataclass(frozen=True)
 class MilpBound:
     bound: float  # seconds no fitting plan beats (infinite: none fits)
-    proved: bool  # HiGHS proved the MILP's optimum (else ``bound`` is its dual bound at the time limit)
-    seconds: float | None  # the MILP's best point's objective (None: none found)
+    proved: bool  # HiGHS finished within its gap tolerances (else it stopped at the time limit)
+    seconds: float | None  # the MILP's best point's objective (None: none found); not a bound
 
 
 def milp_lower_bound(ev: Evaluator, time_limit: float | None = 60.0) -> MilpBound:
@@ -37,14 +37,18 @@ def milp_lower_bound(ev: Evaluator, time_limit: float | None = 60.0) -> MilpBoun
     cut_bound = bounds.bound()
     if cut_bound == math.inf:
         return MilpBound(math.inf, True, None)
-    res = solve(relaxation(bounds), integral=True, time_limit=time_limit)
+    model = relaxation(bounds)
+    res = solve(model, integral=True, time_limit=time_limit)
     if res.status == 2:  # infeasible: no integral choice of evictions meets every point
         return MilpBound(math.inf, True, None)
+    # HiGHS stops within its gap tolerances (an absolute one of 1e-6, not small beside a step of
+    # milliseconds): its incumbent may exceed the MILP's optimum, its dual bound may not
     dual = getattr(res, "mip_dual_bound", None)
-    if res.status == 0:
-        return MilpBound(max(cut_bound, float(res.fun)), True, float(res.fun))
+    if res.status == 0 and dual is not None and math.isfinite(dual):
+        return MilpBound(max(cut_bound, float(dual) * model.unit), True, float(res.fun) * model.unit)
     if dual is None or not math.isfinite(dual):
         log.warning("MILP: %s; the cut bound only", res.message)
         return MilpBound(cut_bound, False, None)
     log.info("MILP stopped (%s): dual bound %.6g", res.message, dual)
-    return MilpBound(max(cut_bound, float(dual)), False, None if res.x is None else float(res.fun))
+    return MilpBound(max(cut_bound, float(dual) * model.unit), False,
+                     None if res.x is None else float(res.fun) * model.unit)
