@@ -38,7 +38,7 @@ POINTS = (0.0, 0.25, 0.5, 0.75)  # limit = floor + point * (in-core - floor)
 GPT2_DEPTHS_FULL = (2, 6, 12, 24, 48)
 GPT2_DEPTHS_QUICK = (2, 6)
 #: graphs up to this many activations get the LP relaxation's bound, larger ones the cut bound
-LP_UP_TO = 150  # the LP takes about 30 s per limit at GPT-2 12L's 269 and bounds no better there
+LP_UP_TO = 60  # the LP (one timeline, rebuild points) takes minutes per limit at GPT-2 6L's 137 and bounds little better there
 #: the yardsticks: within this of the best plan; of the bound where the bound is tight
 BEST_TOLERANCE, BOUND_TOLERANCE = 0.10, 0.15
 

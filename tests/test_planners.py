@@ -18,7 +18,7 @@ from fxpooch.errors import InfeasibleMemoryLimit
 from fxpooch.graph import StepGraph
 from fxpooch.hardware import Link, get_hardware
 from fxpooch.planners import PLANNERS, Problem, get_planner
-from fxpooch.planners.baselines import (checkpoint_decisions, previous_convolution, previous_kernel,
+from fxpooch.planners.baselines import (checkpoint_decisions, previous_convolution, previous_kernel, separators,
                                         simulate_with_prefetch, superneurons_decisions)
 from fxpooch.planners.common import Evaluator
 from fxpooch.planners.pooch import overhead_sets, step2_swap_to_recompute
@@ -241,16 +241,30 @@ def test_checkpoint_keeps_every_sqrt_n_th(n, kept):
 @pytest.mark.parametrize("limit_mib, decisions, step", [
     # (R, K, R, K): a2 + a3 + a4 live during f4 = 12 MiB; recomputing f1 and f3: 8 + 2 = 10 s
     (12, (R, K, R, K), 10.0),
-    # over the limit: checkpoint-all's plan, every chain rerun from x: a4 4 s, a3 3, a2 2, a1 1
-    # -> 8 + 10 = 18 s; its peak, during a3's chain (a1, a2 rebuilt) with g4's gradient, is 9 MiB
-    (10, (R, R, R, R), 18.0),
-    (9, (R, R, R, R), 18.0),
+    # over the limit: one segment of twice the bytes, a4 kept, each chain rerun from x (a3 3 s,
+    # a2 2, a1 1) -> 8 + 6 = 14 s, where checkpoint-all's plan reruns a4's too (18 s); its peak,
+    # during a3's chain (a1, a2 rebuilt) with g4's gradient, is 9 MiB
+    (10, (R, R, R, K), 14.0),
+    (9, (R, R, R, K), 14.0),
 ])
-def test_checkpoint_falls_back_to_checkpoint_all(limit_mib, decisions, step):
+def test_checkpoint_shrinks_or_grows_its_segments(limit_mib, decisions, step):
     graph, costs = _convnet()
     plan = get_planner("checkpoint")(Problem(graph, costs, limit_mib * MiB))
     assert plan.decisions == decisions
     assert plan.step_time == step
+
+
+def test_checkpoint_segments_end_at_block_outputs():
+    """ResNet blocks: a segment ends only where one value carries the forward on (the stem, each
+    block's output), so a chain never reaches back into the block before."""
+    from test_search import problem
+    prob = problem("resnet_small", 0.5)
+    graph = prob.graph
+    ends = separators(graph)
+    assert {graph.activations[a].name for a in ends} == {"convolution", "relu", "relu_2", "relu_4", "relu_6", "mean"}
+    decisions = checkpoint_decisions(Evaluator(prob))
+    assert {a for a, d in enumerate(decisions) if d is K} <= ends
+    assert Evaluator(prob).evaluate(decisions, share=True).schedule.shared  # a block rebuilt once
 
 
 def test_checkpoint_infeasible_below_checkpoint_all():

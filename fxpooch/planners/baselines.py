@@ -10,7 +10,8 @@ one it was given.
 * ``swap-all-nosched``: swap-all whose swap-ins start with the previous layer's backward
   (section 5.1, "swap-all (w/o scheduling)"; Fig. 7 and Fig. 10 left).
 * ``superneurons``: the static hybrid of SuperNeurons as the paper reimplements it (5.2).
-* ``checkpoint``: Chen et al. 2016, sqrt(n) segments (the paper's reference [15]).
+* ``checkpoint``: Chen et al. 2016, sqrt(n) byte-balanced segments, smaller or larger ones where
+  those do not fit (the paper's reference [15]).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from .common import Candidate, Evaluator, Problem, live_at_peak
 
 log = logging.getLogger("fxpooch.planner.baselines")
 
+#: ``checkpoint``'s segment sizes tried where sqrt(n) segments do not fit, as multiples of theirs
+SEGMENT_SCALES = (1 / 64, 64.0)
 #: op id -> the backward op before which a swap-in is issued, given its first use
 PrefetchRule = Callable[[StepGraph, int, int], int]
 
@@ -212,11 +215,43 @@ def superneurons(problem: Problem) -> Candidate:
     return plan_keeping(lo)
 
 
-def checkpoint_decisions(ev: Evaluator) -> list[Decision]:
-    """Chen et al. 2016: keep every ceil(sqrt(n))-th recomputable activation, recompute the rest.
+def separators(graph: StepGraph) -> set[int]:
+    """Activations that alone carry the forward past their last member: no other forward value
+    made before it is read after it (a residual block's output, not a value inside the block).
+    A recompute chain that starts after a kept separator never runs an op before it."""
+    forward = [o for start, stop in graph.forward_range for o in range(start, stop)]
+    position = {o: i for i, o in enumerate(forward)}
+    born: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, o in enumerate(forward):
+        for b in graph.dynamic_allocs[o]:
+            born.setdefault(b, i)
+        for b in graph.read_buffers[o]:
+            last[b] = i
+    ends: dict[int, list[int]] = {}  # position -> buffers whose last forward read is there
+    for b, i in last.items():
+        if b in born and i > born[b]:
+            ends.setdefault(i, []).append(b)
+    out, live = set(), set()
+    at = {max(act.members): a for a, act in enumerate(graph.activations)}
+    for i, o in enumerate(forward):
+        live.update(b for b in graph.dynamic_allocs[o] if last.get(b, -1) > i)
+        live.difference_update(ends.get(i, ()))
+        a = at.get(o)
+        if a is not None and live <= {graph.activations[a].buffer} and position[o] == i:
+            out.add(a)
+    return out
 
-    ``n`` counts the activations that can be recomputed from kept values; the others are kept.
-    Each kept one closes a segment (forward order); the last activation is kept too.
+
+def checkpoint_decisions(ev: Evaluator, scale: float = 1.0) -> list[Decision]:
+    """Chen et al. 2016: segments of about ``scale`` x ``total / sqrt(n)`` bytes, each closed by a
+    kept activation; the rest of each segment is recomputed.
+
+    ``n`` counts the activations that can be recomputed from kept values (the others are kept);
+    walking them in forward order, a :func:`separators` activation is kept once its segment
+    (itself included) holds ``scale * k * total / n`` bytes, ``k = ceil(sqrt(n))``; the last one
+    is kept too. On a chain of equal sizes with ``scale`` 1 that keeps every k-th one, the
+    paper's sqrt(n) rule; a segment never ends inside a residual block.
     """
     graph = ev.graph
     keep_all = [Decision.KEEP] * len(graph.activations)
@@ -225,23 +260,61 @@ def checkpoint_decisions(ev: Evaluator) -> list[Decision]:
     n = len(recomputable)
     if n == 0:
         return keep_all
+    ends = separators(graph)
+    nbytes = [graph.buffers[graph.activations[a].buffer].nbytes for a in recomputable]
     k = max(1, math.isqrt(n - 1) + 1)  # ceil(sqrt(n))
-    targets = [a for i, a in enumerate(recomputable) if (i + 1) % k != 0 and i != n - 1]
+    target = scale * k * sum(nbytes) / n
+    targets, held = [], 0
+    for i, a in enumerate(recomputable):
+        held += nbytes[i]
+        if (held >= target * (1 - 1e-12) and a in ends) or i == n - 1:
+            held = 0
+        else:
+            targets.append(a)
     return recompute_where_possible(ev, keep_all, targets, lambda a: Decision.KEEP)
+
+
+def checkpoint_plan(ev: Evaluator) -> tuple[Candidate | None, list[Candidate | None]]:
+    """The sqrt(n) segments of :func:`checkpoint_decisions` where they fit, each segment rebuilt
+    once; otherwise the fastest such plan among segments of 2, 4, 8... times fewer or more bytes
+    (more segments, each rebuilding less at once, or fewer kept activations), as Chen et al.
+    search their budget; only where none fits, the fastest with activations rebuilt one by one
+    (unshared chains: less memory, more compute). Returns ``(the plan or None, every plan tried)``."""
+    scales = [1.0]
+    for direction in (0.5, 2.0):
+        scale = direction
+        while SEGMENT_SCALES[0] <= scale <= SEGMENT_SCALES[1]:
+            scales.append(scale)
+            scale *= direction
+    options = list(dict.fromkeys(tuple(checkpoint_decisions(ev, scale)) for scale in scales))
+    tried: list[Candidate | None] = []
+    for share in (True, None):
+        found = []
+        for decisions in options:
+            c = ev.evaluate(decisions, share=share)
+            tried.append(c)
+            if c is not None and c.fits:
+                if decisions == options[0]:
+                    return c, tried
+                found.append(c)
+        if found:
+            return min(found, key=lambda c: c.step_time), tried
+    return None, tried
 
 
 @register("checkpoint")
 def checkpoint(problem: Problem) -> Candidate:
     """Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost", the paper's [15]).
 
-    sqrt(n) segments; activations that cannot be recomputed are kept. If that exceeds the
-    limit, falls back to checkpoint-all's plan. A segment is recomputed once, at the first
-    reader of its last activation (the schedule shares recompute segments where that fits).
+    sqrt(n) byte-balanced segments, or segments of fewer or more bytes where those do not fit
+    (:func:`checkpoint_plan`); activations that cannot be recomputed are kept. If no
+    segmentation fits, falls back to checkpoint-all's plan. A segment is recomputed once, at the
+    first reader of its last activation (the schedule shares recompute segments where that fits).
     """
     ev = Evaluator(problem)
-    candidate = ev.evaluate(checkpoint_decisions(ev))
-    if candidate is not None and candidate.fits:
+    candidate, tried = checkpoint_plan(ev)
+    if candidate is not None:
         return candidate
     every = ev.all_recompute()
     fallback = ev.evaluate(every)
-    return _fit_or_raise(ev, "checkpoint", fallback, [candidate, _jit(ev, every)])
+    return _fit_or_raise(ev, "checkpoint", fallback, [*tried, _jit(ev, every)])

@@ -103,6 +103,18 @@ class Cut:
     candidates: tuple[int, ...]  # activations whose eviction counts there
 
 
+@dataclass(frozen=True)
+class RebuildPoint:
+    """Just before backward op ``op`` and the group of instructions issued for it: if a chain is
+    emitted there, a fitting plan has evicted ``excess + rebuild`` bytes of ``candidates``."""
+
+    op: int
+    rebuilt: tuple[int, ...]  # recomputable activations first read by ``op``: a chain there rebuilds one
+    rebuild: int  # the least ``Bounds.rebuild`` bytes among them
+    excess: int  # in-core memory there (resident included) beyond the limit, less the swap slack
+    candidates: tuple[int, ...]  # live activations first read by ``op`` or later
+
+
 class _Curve:
     """Cheapest-first cost of ``x`` bytes from items ``(seconds, bytes)``, each divisible."""
 
@@ -208,8 +220,9 @@ class Bounds:
             out.append(sum(self.ev.problem.costs.op_time[o] for o in chain))
         return out
 
-    def _cuts(self, keep: Sequence[Decision]) -> list[Cut]:
-        """One cut per set of candidates: the op where the in-core plan exceeds the limit most."""
+    def _layout(self, keep: Sequence[Decision]):
+        """The in-core plan in program order: its schedule, each op's RUN index, the memory during
+        each instruction, and per activation its (alloc, last reader, last forward use) indices."""
         graph, ev = self.ev.graph, self.ev
         sched = ev.evaluate(keep, early_prefetch=False).schedule
         at = {ins.op: i for i, ins in enumerate(sched.instrs) if ins.kind is Kind.RUN}  # op -> its RUN
@@ -223,12 +236,18 @@ class Bounds:
             if graph.ops[ins.op].phase is Phase.FORWARD:
                 for x in ins.allocs + ins.reads:
                     last_forward[x] = i
-        acts = graph.activations
-        span = []  # per activation, as instruction indices of the in-core plan: (alloc, last reader, last forward use)
-        for act in acts:
+        span = []
+        for act in graph.activations:
             x = instance[act.buffer]
             span.append((born[x], -1 if sched.persistent[x] else sched.last_reader[x],
                          max(last_forward[x], *(at[m] for m in act.members))))
+        return sched, at, mem, span
+
+    def _cuts(self, keep: Sequence[Decision]) -> list[Cut]:
+        """One cut per set of candidates: the op where the in-core plan exceeds the limit most."""
+        graph, ev = self.ev.graph, self.ev
+        _, at, mem, span = self._layout(keep)
+        acts = graph.activations
         prefix = [0.0]
         for t in ev.problem.costs.op_time:
             prefix.append(prefix[-1] + t)
@@ -251,6 +270,67 @@ class Bounds:
                 between = prefix[forward_end] - prefix[c] if not backward else 0.0
                 chosen[cand] = Cut(c, backward, prefix[c], between, prefix[-1] - prefix[c] - between, excess, cand)
         return list(chosen.values())
+
+    def rebuild(self, a: int, recomputable: Sequence[float]) -> tuple[int, set[int]]:
+        """While a chain rebuilds activation ``a`` at its first reader: the device bytes it holds
+        beyond the in-core plan's memory before that reader's group, at the op of ``a``'s shortest
+        chain where they are largest, and the other activations on the device then.
+
+        At each op of the shortest chain (every chain that rebuilds ``a`` runs it), the buffers it
+        and the chain's earlier ops allocate that a later op of it reads, and ``a``'s new storage
+        once allocated, count (not other activations' storages, which the in-core plan holds
+        too); ``a`` itself is among the evicted there. On the device then: the activations that op
+        reads, and those the chain reads that cannot be recomputed (kept, or brought back before
+        the chain; a recomputable one read earlier may be rebuilt and freed before, when chains
+        are not shared). ``recomputable``: ``recompute_costs`` of nothing decided."""
+        graph, owner = self.ev.graph, self.ev.owner
+        act = graph.activations[a]
+        chain = sorted(chain_ops(graph, a, lambda c: False, owner, strict=False))
+        stored = {x.buffer for x in graph.activations} - {act.buffer}
+        last = {}
+        for o in chain:
+            for b in graph.recompute_read_buffers[o]:
+                last[b] = o
+        live: dict[int, int] = {}
+        best, at = 0, act.producer
+        for o in chain:
+            live.update((b, graph.buffers[b].nbytes) for b in graph.dynamic_allocs[o] if b not in stored)
+            held = sum(live.values())
+            if held > best:
+                best, at = held, o
+            for b in [b for b in live if last.get(b, -1) <= o and b != act.buffer]:
+                del live[b]
+        inputs = {owner[v] for o in chain for v in graph.ops[o].recompute_args if v in owner} - {a}
+        direct = {owner[v] for v in graph.ops[at].recompute_args if v in owner} - {a}
+        return best, direct | {c for c in inputs if recomputable[c] == math.inf}
+
+    def rebuild_points(self) -> list[RebuildPoint]:
+        """Per backward op ``u`` that first reads a recomputable activation: the point just before
+        ``u`` and its group (prefetches, waits, recomputes). See ``lp``'s module docstring."""
+        graph, ev = self.ev.graph, self.ev
+        keep = ev.all_keep()
+        sched, at, mem, span = self._layout(keep)
+        acts = graph.activations
+        recomputable = self.recompute_costs([None] * len(acts))
+        by_reader: dict[int, list[int]] = {}
+        for a, u in enumerate(self.first_reader):
+            if u is not None and recomputable[a] < math.inf:
+                by_reader.setdefault(u, []).append(a)
+        base = graph.resident_bytes - ev.problem.mem_limit
+        out = []
+        for u, rebuilt in sorted(by_reader.items()):
+            i = at[u]
+            before = int(mem[i]) - sum(sched.instance_bytes[x] for x in set(sched.instrs[i].allocs)
+                                       if sched.first_alloc[x] == i)
+            live = [a for a in range(len(acts)) if span[a][0] < i <= span[a][1]]
+            held = [self.rebuild(a, recomputable) for a in rebuilt]
+            read = set.intersection(*(inputs for _, inputs in held))  # on the device while it runs
+            cand = tuple(a for a in live if self.first_reader[a] is not None and self.first_reader[a] >= u
+                         and a not in read)
+            slack = sum(max(0, self.nbytes[a] - acts[a].transfer_bytes) for a in live if acts[a].swappable)
+            out.append(RebuildPoint(u, tuple(rebuilt), min(nbytes for nbytes, _ in held),
+                                    int(base + before - slack), cand))
+        return out
 
     def cut_bound(self, cut: Cut, decided: Partial, recompute: Sequence[float]) -> float:
         """The cut's bound over every completion of ``decided`` (``recompute``: ``recompute_costs``)."""

@@ -1,31 +1,293 @@
-"""A linear-programming relaxation of the lower bound: the cuts of ``bounds`` solved together.
+"""A linear-programming relaxation of the lower bound: the cuts of ``bounds`` solved together, on
+one timeline, with the memory a recompute needs while it runs.
 
-``Bounds.bound`` takes the largest of the cut bounds, each minimised on its own, so a plan
-near the floor, which must evict at many cuts, is bounded by its single worst cut. Here every
-activation gets one fractional decision ``x_a^k + x_a^s + x_a^r = 1`` shared by all cuts, and
-each cut ``c`` evicts fractions ``s_ac <= x_a^s``, ``r_ac <= x_a^r`` of its candidates with
-``sum bytes_a (s_ac + r_ac) >= e_c``. ``T`` is at least
+``Bounds.bound`` takes the largest of the cut bounds, each minimised on its own, so a plan near
+the floor, which must evict at many cuts, is bounded by its single worst cut. Here every
+activation gets one decision ``x_a^k + x_a^s + x_a^r = 1`` shared by all points, and each point
+``p`` evicts fractions ``s_ap <= x_a^s``, ``r_ap <= x_a^r`` of its candidates. Any fitting plan
+gives a feasible point (its decisions, its evictions, the times below, all 0/1 or its own), so
+the minimum is a lower bound on its step time; :mod:`.milp` solves the same model with the
+decisions and evictions integral (a stronger bound, still not the simulator).
 
-* the compute, every op once, plus ``sum r_a x_a^r`` (each recompute runs; ``r_a`` as in
-  ``Bounds.recompute_costs``, so shared segments are not counted twice);
-* at each cut, the four sums that ``max(P_c, D) + G_c + max(Q_c + R, H)`` (``bounds``' cut
-  argument) is at least: ``P_c + G_c + Q_c + R``, ``D + G_c + H``, ``P_c + G_c + H`` and
-  ``D + G_c + Q_c + R``, with ``D``, ``H``, ``R`` the evicted swaps' D2H and H2D seconds and the
-  evicted recomputes' seconds at that cut.
+**Points.** ``bounds``' cuts (the RUN of an op; a fitting plan has evicted ``e_c`` bytes there)
+and, per backward op ``u`` that first reads a recomputable activation, the group of instructions
+issued just before ``u`` (``Bounds.rebuild_points``). Let ``y_a`` say that recomputed ``a`` is
+not present when ``u = first reader of a`` starts its group (it was not rebuilt by an earlier
+chain). Then a chain is emitted at ``u`` for some head ``h`` first read by ``u``, and while ``h``'s
+producer runs again (instant ``τ``) the device holds the in-core memory before ``u`` less the
+activations absent at ``τ``, plus ``h``'s new storage and the buffers only the chain makes
+(``Bounds.rebuild``, at the op of its chain where they are most; ``h`` is among the evicted). So the
+evictions at ``τ`` are at least ``excess_u + min rebuild bytes`` whenever ``y_a = 1`` for an ``a``
+first read by ``u``, and ``x_a^r <= y_a + sum y_b`` over the ``b`` first read earlier whose chains
+(through every recomputable activation) reach ``a``'s producer: a recomputed ``a`` is rebuilt at
+its own first reader or inside the chain of such a ``b``, itself a head there.
 
-Any fitting plan gives a feasible point (its decisions and evictions, 0/1), so the LP's minimum
-is a lower bound on its step time. Solved by HiGHS through ``scipy.optimize.linprog`` (scipy is
-an optional dependency, ``pip install fxpooch[lp]``); without scipy the cut bound is returned.
+**Time.** ``θ_p`` is the compute stream's time at point ``p`` (for a rebuild point, where ``u``'s
+group starts). In program order ``θ_q >= θ_p + compute between``. At a cut, the D2H copies of
+the evicted swaps ended by ``θ_p``; the D2H stream runs them one at a time in producer order,
+each no earlier than its producer ends: ``F_j >= F_{j-1} + d_j s_jp``, ``F_j >= release_j +
+d_j s_jp``, ``θ_p >= F_last`` (a subset of a FIFO stream's jobs ends no earlier alone). Their
+prefetches are issued after ``p`` (after the forward for a forward cut), so the H2D stream, in
+first-reader order, has ``E_j >= E_{j-1} + h_j s_jp`` from ``θ_p + G_p``, and compute reaches
+each first reader ``k`` only after: ``T >= E_j + tail_k``, and the next point after ``k`` starts
+no earlier than ``E_j`` plus the compute in between. The evicted recomputes run after ``p`` and
+before their first reader: ``T >= θ_p + tail_p + sum r_a r_ap`` and likewise up to the next
+point after each first reader. ``T >= compute + sum r_a x_a^r``. (``r_a`` as in
+``Bounds.recompute_costs``: shared segments are not counted twice.)
+
+Solved by HiGHS through ``scipy.optimize`` (an optional dependency, ``pip install fxpooch[lp]``);
+without scipy the cut bound is returned.
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import math
+from dataclasses import dataclass, field
 
+from ..schedule import chain_ops
 from .bounds import Bounds
 from .common import Evaluator
 
 log = logging.getLogger("fxpooch.planner.lp")
+
+
+@dataclass
+class Model:
+    """``min c·v`` s.t. ``A_ub v <= b_ub``, ``A_eq v = b_eq``, ``lo <= v <= hi``; ``v[0]`` is T in
+    seconds / ``unit``."""
+
+    unit: float = 1.0
+
+    cost: list[float] = field(default_factory=lambda: [1.0])
+    lo: list[float] = field(default_factory=lambda: [0.0])
+    hi: list[float] = field(default_factory=lambda: [math.inf])
+    binary: list[bool] = field(default_factory=lambda: [False])  # integral in the MILP
+    rows: list[tuple[list[tuple[int, float]], float]] = field(default_factory=list)  # sum <= rhs
+    eqs: list[tuple[list[tuple[int, float]], float]] = field(default_factory=list)
+
+    def var(self, hi: float = math.inf, binary: bool = False) -> int:
+        self.cost.append(0.0)
+        self.lo.append(0.0)
+        self.hi.append(hi)
+        self.binary.append(binary)
+        return len(self.cost) - 1
+
+    def ge(self, terms: list[tuple[int, float]], rhs: float) -> None:
+        """``sum terms >= rhs``."""
+        self.rows.append(([(j, -v) for j, v in terms if v], -rhs))
+
+    def matrices(self):
+        import numpy as np
+        from scipy.sparse import coo_matrix
+
+        def sparse(rows, m):
+            r, c, v = [], [], []
+            for i, (terms, _) in enumerate(rows):
+                for j, x in terms:
+                    r.append(i)
+                    c.append(j)
+                    v.append(x)
+            return coo_matrix((v, (r, c)), shape=(len(rows), m)).tocsr(), np.asarray([b for _, b in rows], dtype=float)
+
+        m = len(self.cost)
+        a_ub, b_ub = sparse(self.rows, m)
+        a_eq, b_eq = sparse(self.eqs, m)
+        return np.asarray(self.cost), a_ub, b_ub, a_eq, b_eq, np.asarray(self.lo), np.asarray(self.hi)
+
+
+@dataclass(frozen=True)
+class _Point:
+    op: int
+    group: bool  # a rebuild point (before ``op``'s group) rather than a cut (``op``'s RUN)
+    forward: bool
+    excess: int
+    candidates: tuple[int, ...]
+    rebuilt: tuple[int, ...] = ()
+    rebuild: int = 0
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.op, 0 if self.group else 1
+
+
+def relaxation(bounds: Bounds) -> Model:
+    """The model of the module docstring for ``bounds``' problem."""
+    ev = bounds.ev
+    graph, costs = ev.graph, ev.problem.costs
+    acts = graph.activations
+    n = len(acts)
+    unit = bounds.compute or 1.0  # times in units of the step's compute: HiGHS's tolerances are absolute
+    rec = [t / unit for t in bounds.recompute_costs([None] * n)]
+    d2h, h2d = [t / unit for t in bounds.d2h], [t / unit for t in bounds.h2d]
+    prefix = [0.0]
+    for t in costs.op_time:
+        prefix.append(prefix[-1] + t / unit)
+    forward_end = max(stop for _, stop in graph.forward_range)
+    suffix = [t / unit for t in bounds.suffix]
+    model = Model(unit=unit)
+    x = {(d, a): model.var(1.0, True) for a in range(n) for d in "ksr"}
+    for a in range(n):
+        model.eqs.append(([(x[(d, a)], 1.0) for d in "ksr"], 1.0))
+        if d2h[a] == math.inf:
+            model.hi[x[("s", a)]] = 0.0
+        if rec[a] == math.inf:
+            model.hi[x[("r", a)]] = 0.0
+
+    points = [_Point(c.op, False, not c.backward, c.excess, c.candidates) for c in bounds.cuts]
+    for rp in bounds.rebuild_points():
+        if rp.excess + rp.rebuild > 0:
+            points.append(_Point(rp.op, True, False, rp.excess, rp.candidates, rp.rebuilt, rp.rebuild))
+    points.sort(key=lambda p: p.key)
+    keys = [p.key for p in points]
+    theta = [model.var() for _ in points]
+
+    def at_or_after(op: int) -> int | None:
+        """The first point at or after ``op``'s RUN."""
+        i = bisect.bisect_left(keys, (op, 1))
+        return i if i < len(points) else None
+
+    def last_before_end_of(op: int) -> int | None:
+        """The last point at or before ``op``'s RUN (``op`` ends after it)."""
+        i = bisect.bisect_right(keys, (op, 1)) - 1
+        return i if i >= 0 else None
+
+    for i, p in enumerate(points):
+        if i == 0:
+            model.ge([(theta[i], 1.0)], prefix[p.op])
+        else:
+            model.ge([(theta[i], 1.0), (theta[i - 1], -1.0)], prefix[p.op] - prefix[points[i - 1].op])
+
+    # y_a: recomputed a absent when its first reader's group starts
+    y = {a: model.var(1.0, True) for a in range(n) if rec[a] < math.inf and bounds.first_reader[a] is not None}
+    heads: dict[int, list[int]] = {}  # a -> the b whose chains may rebuild a before its first reader
+    for a, ya in y.items():
+        model.ge([(x[("r", a)], 1.0), (ya, -1.0)], 0.0)
+        producer = acts[a].producer
+        heads[a] = [b for b in y if bounds.first_reader[b] < bounds.first_reader[a]
+                    and producer in chain_ops(graph, b, lambda c: True, ev.owner, strict=False)]
+        model.ge([(ya, 1.0), *((y[b], 1.0) for b in heads[a]), (x[("r", a)], -1.0)], 0.0)
+    extra = _chain_sharing(bounds, model, x, y, rec)
+    model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf] + extra, 1.0)
+
+    for i, p in enumerate(points):
+        s_vars, r_vars = [], []
+        for a in p.candidates:
+            if d2h[a] < math.inf:
+                j = model.var(1.0, True)
+                model.ge([(x[("s", a)], 1.0), (j, -1.0)], 0.0)
+                s_vars.append((a, j))
+            if rec[a] < math.inf:
+                j = model.var(1.0, True)
+                model.ge([(x[("r", a)], 1.0), (j, -1.0)], 0.0)
+                if not p.forward and a in y:  # absent here: not rebuilt yet by its own chain or one that runs later
+                    later = [y[b] for b in heads[a] if (bounds.first_reader[b], 0) >= p.key]
+                    model.ge([(y[a], 1.0), *((yb, 1.0) for yb in later), (j, -1.0)], 0.0)
+                r_vars.append((a, j))
+        cover = [(j, float(bounds.nbytes[a])) for a, j in s_vars + r_vars]
+        if p.group:
+            for a in p.rebuilt:
+                model.ge([*cover, (y[a], -float(p.excess + p.rebuild))], 0.0)
+        else:
+            model.ge(cover, p.excess)
+        # D2H: the evicted swaps' copies end by θ (at a cut; a rebuild point's evictions are later)
+        if not p.group:
+            prev = None
+            for a, j in sorted(s_vars, key=lambda t: (max(acts[t[0]].members), t[0])):
+                f = model.var()
+                m = max(acts[a].members)
+                k = last_before_end_of(m)
+                if k is None or k >= i:
+                    model.ge([(f, 1.0), (j, -d2h[a])], prefix[m + 1])
+                else:
+                    model.ge([(f, 1.0), (theta[k], -1.0), (j, -d2h[a])], prefix[m + 1] - prefix[points[k].op])
+                if prev is not None:
+                    model.ge([(f, 1.0), (prev, -1.0), (j, -d2h[a])], 0.0)
+                prev = f
+            if prev is not None:
+                model.ge([(theta[i], 1.0), (prev, -1.0)], 0.0)
+        # H2D: from the end of the forward (a forward cut) or θ, in first-reader order
+        between = prefix[forward_end] - prefix[p.op] if p.forward else 0.0
+        prev = None
+        for a, j in sorted(s_vars, key=lambda t: (bounds.first_reader[t[0]], t[0])):
+            k = bounds.first_reader[a]
+            if k is None:
+                continue
+            e = model.var()
+            model.ge([(e, 1.0), (prev if prev is not None else theta[i], -1.0), (j, -h2d[a])],
+                     0.0 if prev is not None else between)
+            model.ge([(0, 1.0), (e, -1.0)], suffix[k])
+            q = at_or_after(k)
+            if q is not None and q > i:
+                model.ge([(theta[q], 1.0), (e, -1.0)], prefix[points[q].op] - prefix[k])
+            prev = e
+        # recomputes: after θ, each before its first reader
+        prev = None
+        for a, j in sorted(r_vars, key=lambda t: (bounds.first_reader[t[0]] or 0, t[0])):
+            if bounds.first_reader[a] is None:
+                continue
+            r = model.var()
+            model.ge([(r, 1.0), (j, -rec[a])] + ([(prev, -1.0)] if prev is not None else []), 0.0)
+            q = at_or_after(bounds.first_reader[a])
+            if q is not None and q > i:
+                model.ge([(theta[q], 1.0), (theta[i], -1.0), (r, -1.0)], prefix[points[q].op] - prefix[p.op])
+            prev = r
+        model.ge([(0, 1.0), (theta[i], -1.0)] + ([(prev, -1.0)] if prev is not None else []), suffix[p.op])
+    return model
+
+
+def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int], rec: list[float]) -> list[tuple[int, float]]:
+    """A plan's schedule shares recompute segments or it does not (``sigma = 1``). Shared: a
+    head ``b``'s chain rebuilds every recomputed activation its shortest chain reads that is first
+    read later (``y_a + y_b + x_a^r - sigma <= 2``). Not shared: each chain reruns the shortest
+    chains of the recomputed activations it reads, and theirs in turn (``z_ac``); returns the
+    terms ``-seconds * z_ac`` those add to the step, each op counted once per chain."""
+    ev = bounds.ev
+    graph, owner = ev.graph, ev.owner
+    sigma = model.var(1.0, True)
+    chain = {a: chain_ops(graph, a, lambda c: False, owner, strict=False) for a in y}
+    reads = {a: sorted(c for c in {owner[v] for o in ops for v in graph.ops[o].recompute_args if v in owner} - {a}
+                       if c in y) for a, ops in chain.items()}
+    fr = bounds.first_reader
+    for b in y:
+        for a in reads[b]:
+            if fr[a] > fr[b]:
+                model.ge([(y[a], -1.0), (y[b], -1.0), (x[("r", a)], -1.0), (sigma, 1.0)], -2.0)
+    terms = []
+    op_time = ev.problem.costs.op_time
+    for a in y:
+        seen = set(chain[a])
+        parent = {c: None for c in reads[a]}
+        queue = list(reads[a])
+        while queue:
+            c = queue.pop(0)
+            z = model.var(1.0)
+            if parent[c] is None:
+                model.ge([(z, 1.0), (x[("r", a)], -1.0), (x[("r", c)], -1.0), (sigma, -1.0)], -2.0)
+            else:
+                model.ge([(z, 1.0), (parent[c], -1.0), (x[("r", c)], -1.0)], -1.0)
+            cost = sum(op_time[o] for o in chain[c] - seen) / model.unit
+            seen |= chain[c]
+            if cost > 0:
+                terms.append((z, -cost))
+            for d in reads[c]:
+                if d not in parent and d != a:
+                    parent[d] = z
+                    queue.append(d)
+    return terms
+
+
+def solve(model: Model, integral: bool = False, time_limit: float | None = None):
+    """HiGHS on ``model`` as an LP, or as a MILP with its binary variables integral."""
+    import numpy as np
+    from scipy.optimize import Bounds as VarBounds, LinearConstraint, linprog, milp
+
+    c, a_ub, b_ub, a_eq, b_eq, lo, hi = model.matrices()
+    if not integral:
+        return linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=list(zip(lo, hi)), method="highs")
+    options = {} if time_limit is None else {"time_limit": time_limit}
+    return milp(c, constraints=[LinearConstraint(a_ub, -np.inf, b_ub), LinearConstraint(a_eq, b_eq, b_eq)],
+                integrality=np.asarray(model.binary, dtype=int), bounds=VarBounds(lo, hi), options=options)
 
 
 def lp_lower_bound(ev: Evaluator) -> float:
@@ -34,80 +296,17 @@ def lp_lower_bound(ev: Evaluator) -> float:
     bounds = Bounds(ev)
     cut_bound = bounds.bound()
     try:
-        import numpy as np
-        from scipy.optimize import linprog
-        from scipy.sparse import coo_matrix
+        import scipy.optimize  # noqa: F401
     except ImportError:
         log.info("scipy is not installed: the cut bound only")
         return cut_bound
-    if cut_bound == math.inf or not bounds.cuts:
+    if cut_bound == math.inf:
         return cut_bound
-    n = len(bounds.nbytes)
-    rec = bounds.recompute_costs([None] * n)
-    cols: list[float] = [1.0]  # objective coefficient per variable; 0 is T
-    index = {}
-
-    def var(key) -> int:
-        index[key] = len(cols)
-        cols.append(0.0)
-        return index[key]
-
-    for a in range(n):
-        for d in "ksr":
-            var((d, a))
-    rows, cols_i, vals, rhs_ub = [], [], [], []
-    eq_rows, eq_cols, eq_vals = [], [], []
-    r = 0
-
-    def ub(terms: list[tuple[int, float]], bound: float) -> None:
-        nonlocal r
-        for j, v in terms:
-            rows.append(r)
-            cols_i.append(j)
-            vals.append(v)
-        rhs_ub.append(bound)
-        r += 1
-
-    upper = [(0.0, None)] + [(0.0, 1.0)] * (3 * n)
-    for a in range(n):
-        for d in "ksr":
-            eq_rows.append(a)
-            eq_cols.append(index[(d, a)])
-            eq_vals.append(1.0)
-        if bounds.d2h[a] == math.inf:
-            upper[index[("s", a)]] = (0.0, 0.0)
-        if rec[a] == math.inf:
-            upper[index[("r", a)]] = (0.0, 0.0)
-    # T >= compute + sum r_a x_a^r
-    ub([(0, -1.0)] + [(index[("r", a)], rec[a]) for a in range(n) if rec[a] < math.inf], -bounds.compute)
-    for c, cut in enumerate(bounds.cuts):
-        s_vars, r_vars = [], []
-        for a in cut.candidates:
-            if bounds.d2h[a] < math.inf:
-                j = var(("sc", a, c))
-                upper.append((0.0, 1.0))
-                ub([(j, 1.0), (index[("s", a)], -1.0)], 0.0)
-                s_vars.append((a, j))
-            if rec[a] < math.inf:
-                j = var(("rc", a, c))
-                upper.append((0.0, 1.0))
-                ub([(j, 1.0), (index[("r", a)], -1.0)], 0.0)
-                r_vars.append((a, j))
-        ub([(j, -float(bounds.nbytes[a])) for a, j in s_vars + r_vars], -float(cut.excess))
-        d = [(j, bounds.d2h[a]) for a, j in s_vars]
-        h = [(j, bounds.h2d[a]) for a, j in s_vars]
-        rr = [(j, rec[a]) for a, j in r_vars]
-        p, g, q = cut.before, cut.between, cut.after
-        for terms, const in ((rr, p + g + q), (d + h, g), (h, p + g), (d + rr, g + q)):
-            ub([(0, -1.0)] + terms, -const)
-    m = len(cols)
-    a_ub = coo_matrix((vals, (rows, cols_i)), shape=(r, m)).tocsr()
-    a_eq = coo_matrix((eq_vals, (eq_rows, eq_cols)), shape=(n, m)).tocsr()
-    res = linprog(np.asarray(cols), A_ub=a_ub, b_ub=np.asarray(rhs_ub), A_eq=a_eq, b_eq=np.ones(n),
-                  bounds=upper, method="highs")
-    if res.status == 2:  # infeasible: no split of the evictions reaches every cut's excess
+    model = relaxation(bounds)
+    res = solve(model)
+    if res.status == 2:  # infeasible: no split of the evictions meets every point
         return math.inf
     if res.status != 0:
         log.warning("LP relaxation: %s; the cut bound only", res.message)
         return cut_bound
-    return max(cut_bound, float(res.fun))
+    return max(cut_bound, float(res.fun) * model.unit)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..errors import FxpoochError, InfeasibleMemoryLimit
 from ..schedule import Decision
 from .registry import register
-from .baselines import checkpoint_decisions
+from .baselines import checkpoint_plan
 from .bounds import Bounds
 from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget
 from .pooch import plan_pooch
@@ -139,8 +139,7 @@ def seeds(ev: Evaluator, name: str) -> Candidate:
         best = plan_pooch(ev.problem, name=name, ev=ev)
     except InfeasibleMemoryLimit:
         pass
-    for decisions in (ev.all_swap(), checkpoint_decisions(ev), ev.all_recompute()):
-        c = ev.evaluate(decisions)
+    for c in (ev.evaluate(ev.all_swap()), checkpoint_plan(ev)[0], ev.evaluate(ev.all_recompute())):
         if c is not None and c.fits and (best is None or c.step_time < best.step_time):
             best = c
     return require_fit(ev, best, name)

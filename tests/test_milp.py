@@ -1,0 +1,83 @@
+"""The LP relaxation and the MILP bound: never above the optimum (brute force over every decision
+vector, or the exact search), never below the cut bound, and near the optimum at the floor where
+the cut bound is not."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fxpooch.errors import InfeasibleMemoryLimit
+from fxpooch.planners import Evaluator, get_planner
+from fxpooch.planners.bounds import Bounds, lower_bound
+from fxpooch.planners.search import plan_exact
+from test_search import GRAPHS, at_fraction, brute_force, problem
+from zoo import MiB
+
+pytest.importorskip("scipy")
+from fxpooch.planners.lp import lp_lower_bound  # noqa: E402
+from fxpooch.planners.milp import milp_lower_bound  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_lp_and_milp_between_the_cut_bound_and_the_optimum(name):
+    graph, costs = GRAPHS[name]()
+    for fraction in (0.45, 0.5, 0.6, 0.75, 0.9):
+        prob = at_fraction(graph, costs, fraction)
+        optimum = min(brute_force(prob).values(), default=math.inf)
+        cut = lower_bound(Evaluator(prob))
+        lp = lp_lower_bound(Evaluator(prob))
+        milp = milp_lower_bound(Evaluator(prob), time_limit=None)
+        assert milp.proved
+        assert cut <= lp * (1 + 1e-9) and lp <= milp.bound * (1 + 1e-9), fraction
+        assert milp.bound <= optimum * (1 + 1e-9), fraction
+
+
+@pytest.mark.parametrize("hardware", ["v100-pcie3", "h100-pcie5"])
+@pytest.mark.parametrize("fraction", [0.0, 0.25])
+def test_milp_is_near_the_optimum_at_the_floor(hardware, fraction):
+    """The MLP near its floor: only swaps fit (a recompute's chain needs an extra 4 MiB while it
+    runs), which the cut bound does not see (it is 40% below the optimum here)."""
+    prob = problem("mlp", fraction, hardware)
+    optimum = min(brute_force(prob).values())
+    milp = milp_lower_bound(Evaluator(prob), time_limit=None)
+    assert milp.bound <= optimum * (1 + 1e-9)
+    assert milp.bound >= 0.94 * optimum
+    assert lower_bound(Evaluator(prob)) < 0.65 * optimum
+
+
+def test_rebuild_bytes_count_what_only_the_chain_makes():
+    """relu(addmm(...)) of the MLP: its 4 MiB storage and the 4 MiB addmm output it reads."""
+    prob = problem("mlp", 0.0)
+    bounds = Bounds(Evaluator(prob))
+    recomputable = bounds.recompute_costs([None] * 3)
+    assert [bounds.rebuild(a, recomputable)[0] for a in range(3)] == [8 * MiB] * 3
+    points = bounds.rebuild_points()
+    assert [p.rebuilt for p in points] == [(2,), (1,), (0,)]  # first read in reverse order
+
+
+@pytest.mark.parametrize("name, hardware, fraction", [
+    ("cnn_bn", "v100-pcie3", 0.5),
+    ("transformer_block", "v100-pcie3", 0.25),
+])
+def test_milp_below_the_exact_optimum_on_zoo_graphs(name, hardware, fraction):
+    prob = problem(name, fraction, hardware)
+    best = plan_exact(prob)
+    assert milp_lower_bound(Evaluator(prob), time_limit=None).bound <= best.step_time * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("name", ["cnn_bn", "resnet_small"])
+@pytest.mark.parametrize("hardware", ["v100-pcie3", "h100-pcie5"])
+@pytest.mark.parametrize("fraction", [0.0, 0.3])
+def test_milp_below_every_planner(name, hardware, fraction):
+    prob = problem(name, fraction, hardware)
+    bound = milp_lower_bound(Evaluator(prob), time_limit=30.0).bound
+    fitted = 0
+    for planner in ("local", "checkpoint", "swap-all"):
+        try:
+            c = get_planner(planner)(prob)
+        except InfeasibleMemoryLimit:
+            continue
+        fitted += 1
+        assert bound <= c.step_time * (1 + 1e-9), planner
+    assert fitted
