@@ -212,7 +212,7 @@ class Bench:
         m = Method(name, limit, fn=cm, model=model, row=dict(
             status=status, compile_s=time.perf_counter() - t0, mem_limit=plan.mem_limit, pred_peak=plan.peak_bytes,
             pred_static_peak=plan.static_peak_bytes, pred_in_core_peak=plan.in_core_peak_bytes,
-            pred_slowdown=plan.step_time / plan.in_core_time, counts=plan.counts()))
+            pred_slowdown=plan.step_time / plan.in_core_time, pred_step_s=plan.step_time, counts=plan.counts()))
         self.ready(m)
         m.row.update(host_pool=cm.host_pool_bytes, over_limit=m.row["peak"] - plan.mem_limit)
 
@@ -317,13 +317,14 @@ def table(rows: list[dict[str, Any]]) -> str:
             f(r.get("over_limit") and r["over_limit"] / MiB, "{:+.1f}"), f(r.get("vs_eager"), "{:.2f}"),
             f(r.get("vs_eager_iqr"), "{:.2f}"),
             f(r.get("step_s") and 1e3 * r["step_s"], "{:.0f}"),
+            f(r.get("pred_step_s") and r.get("step_s") and r["pred_step_s"] / r["step_s"], "{:.2f}"),
             f(r.get("counts") and "{keep}/{swap}/{recompute}".format(**r["counts"]), "{}"),
             f(r.get("host_pool") and r["host_pool"] / MiB, "{:.1f}"), f(r.get("grad_err"), "{:.0e}"),
             f(r.get("vs_target"), "{:.2f}"), r.get("target", ""),
             "" if "met" not in r else ("met" if r["met"] else "MISSED")] for r in rows]
     return tabulate(out, headers=["model", "method", "limit (MiB)", "status", "peak MiB", "peak/eager", "plan MiB",
                                   "peak-limit",
-                                  "time/eager", "IQR", "ms", "keep/swap/rec", "host MiB", "grad err", "vs target",
+                                  "time/eager", "IQR", "ms", "pred/ms", "keep/swap/rec", "host MiB", "grad err", "vs target",
                                   "target", ""])
 
 
