@@ -20,7 +20,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("graph", {"graph"}),
     ("costs", {"hardware", "costmodel", "profile", "timing", "calibrate", "limits"}),
     ("schedule", {"schedule", "simulator"}),
-    ("planners", {"planners", "planners.registry", "planners.common", "planners.lp", "planners.baselines",
+    ("planners", {"planners", "planners.registry", "planners.common", "planners.lp", "planners.milp", "planners.baselines",
                   "planners.bounds", "planners.pooch", "planners.search"}),
     ("plan", {"plan"}),
     ("inspect", {"whatif", "report", "explain", "svg", "trace"}),
