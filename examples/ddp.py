@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,8 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxpooch
 from fxpooch.models import gpt_decoder
-from fxpooch.report import summary_rows
-from fxpooch.units import format_bytes
+from side_by_side import report, train_side_by_side
 
 
 class WithLoss(nn.Module):
@@ -76,43 +73,9 @@ def main() -> None:
     else:
         trained = compiled = fxpooch.compile(DDP(model, device_ids=ids), tokens, args.mem_limit)
 
-    def step(module: nn.Module, opt: torch.optim.Optimizer) -> float:
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        module(tokens).backward()
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        opt.step()
-        return seconds
-
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
-    times: dict[str, list[float]] = {"fxpooch": [], "plain DDP": []}
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(args.steps):  # interleaved, so both see the same machine load
-        times["fxpooch"].append(step(trained, opt))
-        times["plain DDP"].append(step(reference, ref_opt))
-    peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    opt.zero_grad(set_to_none=True)
-    ref_opt.zero_grad(set_to_none=True)
-    trained(tokens).backward()  # compare one more step's gradients (both models took the same steps)
-    reference(tokens).backward()
+    times, peak = train_side_by_side(trained, model, reference, tokens, args.steps, "plain DDP")
     diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-
-    plan = compiled.plan
-    if rank == 0:
-        rows = "\n".join(f"  {label:<27}{value}" for label, value in summary_rows(plan))
-        print(f"{args.order} on {world} rank(s), {device.type}; the plan of rank 0 (print(plan) lists every "
-              f"activation):\n{rows}", flush=True)
-    dist.barrier()
-    measured = f"measured peak {format_bytes(peak)} (max_memory_allocated, both models resident)" if cuda \
-        else "peak not measured on CPU"
-    print(f"rank {rank}: limit {format_bytes(plan.mem_limit)}, planned peak {format_bytes(plan.peak_bytes)}, "
-          f"{measured}; max |grad - plain DDP grad| = {diff:.2e}; median step "
-          f"{statistics.median(times['fxpooch']) * 1e3:.1f} ms (plain DDP "
-          f"{statistics.median(times['plain DDP']) * 1e3:.1f} ms)", flush=True)
+    report(f"{args.order} on {world} rank(s), {device.type}", compiled.plan, times, peak, diff, "plain DDP")
     dist.destroy_process_group()
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,8 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 import fxpooch
 from fxpooch.models import GPTBlock
-from fxpooch.report import summary_rows
-from fxpooch.units import format_bytes
+from side_by_side import report, train_side_by_side
 
 
 class Embeddings(nn.Module):
@@ -101,44 +98,10 @@ def main() -> None:
 
     compiled = fxpooch.compile(model, tokens, args.mem_limit)
 
-    def step(module: nn.Module, opt: torch.optim.Optimizer) -> float:
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        module(tokens).backward()
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        opt.step()
-        return seconds
-
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.01)
-    times: dict[str, list[float]] = {"fxpooch": [], "plain FSDP2": []}
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(args.steps):  # interleaved, so both see the same machine load
-        times["fxpooch"].append(step(compiled, opt))
-        times["plain FSDP2"].append(step(reference, ref_opt))
-    peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    opt.zero_grad(set_to_none=True)
-    ref_opt.zero_grad(set_to_none=True)
-    compiled(tokens).backward()  # compare one more step's gradients (both models took the same steps)
-    reference(tokens).backward()
+    times, peak = train_side_by_side(compiled, model, reference, tokens, args.steps, "plain FSDP2")
     diff = max((p.grad.full_tensor() - q.grad.full_tensor()).abs().max().item()
                for p, q in zip(model.parameters(), reference.parameters()))
-
-    plan = compiled.plan
-    if rank == 0:
-        rows = "\n".join(f"  {label:<27}{value}" for label, value in summary_rows(plan))
-        print(f"FSDP2 on {world} rank(s), {device.type}; the plan of rank 0 (print(plan) lists every "
-              f"activation):\n{rows}", flush=True)
-    dist.barrier()
-    measured = f"measured peak {format_bytes(peak)} (max_memory_allocated, both models resident)" if cuda \
-        else "peak not measured on CPU"
-    print(f"rank {rank}: limit {format_bytes(plan.mem_limit)}, planned peak {format_bytes(plan.peak_bytes)}, "
-          f"{measured}; max |grad - plain FSDP2 grad| = {diff:.2e}; median step "
-          f"{statistics.median(times['fxpooch']) * 1e3:.1f} ms (plain FSDP2 "
-          f"{statistics.median(times['plain FSDP2']) * 1e3:.1f} ms)", flush=True)
+    report(f"FSDP2 on {world} rank(s), {device.type}", compiled.plan, times, peak, diff, "plain FSDP2")
     dist.destroy_process_group()
 
 
