@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 import fxpooch
 from fxpooch.models import GPTBlock
-from side_by_side import report, train_side_by_side
+from side_by_side import parse_and_start, report, train_side_by_side
 
 
 class Embeddings(nn.Module):
@@ -75,19 +74,10 @@ def shard(model: Decoder) -> Decoder:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mem-limit", default="60%", help="per rank, as fxpooch.compile takes it (default 60%%)")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
-    parser.add_argument("--steps", type=int, default=4)
-    args = parser.parse_args()
-
+    args = parse_and_start(parser)
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
     torch.manual_seed(0)  # the same initial model on every rank
     model = Decoder().to(device)

@@ -5,6 +5,8 @@ Python puts the script's folder on ``sys.path``).
 """
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import time
 
@@ -14,6 +16,23 @@ import torch.nn as nn
 
 from fxpooch.report import summary_rows
 from fxpooch.units import format_bytes
+
+
+def parse_and_start(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser`` with the shared options (``--mem-limit``, ``--batch``, ``--steps``) parsed, and this
+    rank's process group started: NCCL on its local GPU, or gloo on CPU threads shared by the ranks."""
+    parser.add_argument("--mem-limit", default="60%", help="per rank, as fxpooch.compile takes it (default 60%%)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+    return args
 
 
 def train_side_by_side(trained: nn.Module, model: nn.Module, reference: nn.Module, tokens: torch.Tensor,
