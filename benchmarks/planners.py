@@ -221,17 +221,10 @@ README_BEGIN, README_END = "<!-- planners-gap: begin -->", "<!-- planners-gap: e
 
 def write_readme(path: str, rows: list[dict], planners) -> None:
     """Replace the table between the README's gap markers with one made from ``rows``."""
-    with open(path) as f:
-        text = f.read()
-    if README_BEGIN not in text or README_END not in text:
-        return
-    head, rest = text.split(README_BEGIN, 1)
-    tail = rest.split(README_END, 1)[1]
     body = ("\n`python benchmarks/planners.py --part gap` (benchmarks/results/planners.json; simulated on the analytic "
             "cost model; * a MILP stopped at its time limit, its proved bound; (bound) an optimum proved by the "
             f"bound):\n\n{gap_table(rows, planners, markdown=True)}\n")
-    with open(path, "w") as f:
-        f.write(head + README_BEGIN + body + README_END + tail)
+    planners_sweep.replace_between(path, README_BEGIN, README_END, body)
 
 
 if __name__ == "__main__":

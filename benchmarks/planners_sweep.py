@@ -161,19 +161,24 @@ def readme_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(path: str, rows: list[dict], command: str) -> None:
-    """Replace the table between the README's sweep markers with one made from ``rows``."""
+def replace_between(path: str, begin: str, end: str, body: str) -> None:
+    """Replace what the file ``path`` has between the markers ``begin`` and ``end`` with ``body``
+    (nothing happens where a marker is missing)."""
     with open(path) as f:
         text = f.read()
-    if README_BEGIN not in text or README_END not in text:
+    if begin not in text or end not in text:
         return
-    head, rest = text.split(README_BEGIN, 1)
-    tail = rest.split(README_END, 1)[1]
+    head, rest = text.split(begin, 1)
+    with open(path, "w") as f:
+        f.write(head + begin + body + end + rest.split(end, 1)[1])
+
+
+def write_readme(path: str, rows: list[dict], command: str) -> None:
+    """Replace the table between the README's sweep markers with one made from ``rows``."""
     body = (f"\n`{command}` (benchmarks/results/planners_sweep.json; simulated on the analytic cost model, "
             f"presets {', '.join(sorted({r['hardware'] for r in rows}))}, limits from the floor to 3/4 of the way to "
             f"in-core; planning CPU seconds on a loaded 2-core machine):\n\n{readme_table(rows)}\n")
-    with open(path, "w") as f:
-        f.write(head + README_BEGIN + body + README_END + tail)
+    replace_between(path, README_BEGIN, README_END, body)
 
 
 def time_picture(rows: list[dict], path: str) -> None:
