@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .hardware import Link, LinkCalibration
+from .hardware import Link, LinkCalibration, get_link
 from .timing import ProfileOptions, thread_clock, wall_clock
 
 log = logging.getLogger("fxpooch.profile")
@@ -79,10 +79,23 @@ def measure_host_link(sizes: Sequence[int] = HOST_LINK_SIZES, repeats: int = 5,
 
         d2h = timed(lambda at, n: block[at:at + n].copy_(src[at:at + n]))
         h2d = timed(lambda at, n: torch.empty(n, dtype=torch.uint8).copy_(block[at:at + n]))
-        cal = LinkCalibration("cpu", sizes, d2h, h2d, d2h, h2d)
-        _links[key] = Link.calibrated("measured:cpu", cal, on_compute_stream=True)
+        _links[key] = host_link(LinkCalibration("cpu", sizes, d2h, h2d, d2h, h2d))
         log.info("host copies: %s", _links[key])
     return _links[key]
+
+
+def host_link(calibration: LinkCalibration) -> Link:
+    """The link fitted to timed host copies, or, where their times do not grow with size (on a busy
+    host a copy split over intra-op threads waits a time slice for each, whatever its size), the
+    "host" preset's, with a warning: a plan priced on a fit through noise would be worse than one
+    priced on the preset."""
+    try:
+        return Link.calibrated("measured:cpu", calibration, on_compute_stream=True)
+    except ValueError as e:
+        preset = get_link("host")
+        log.warning("host copies could not be fitted (%s); pricing swaps on the %r link preset instead. "
+                    "Profile on a quieter machine, with torch.set_num_threads(1), or pass link=", e, preset.name)
+        return preset
 
 
 def _calibrate(device: torch.device, sizes: tuple[int, ...], repeats: int) -> LinkCalibration:

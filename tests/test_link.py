@@ -86,6 +86,24 @@ def test_a_calibrated_host_link_keeps_its_copies_on_the_compute_stream(tmp_path)
     assert Link.from_json(json.loads(json.dumps(link.to_json()))) == link
 
 
+def test_host_copies_that_do_not_grow_with_size_fall_back_to_the_host_preset(caplog):
+    """On a busy host every copy can wait a time slice whatever its size: no line fits, and the
+    link is the preset's, said in a warning, instead of an error that stops compile."""
+    from fxpooch.calibrate import host_link
+    from fxpooch.hardware import LinkCalibration, get_link
+
+    sizes = (1 << 16, 1 << 20, 1 << 22, 1 << 24)
+    flat = (0.012, 0.012, 0.012, 0.011)  # as measured at load 6 (the largest copy got the luckiest slice)
+    with caplog.at_level("WARNING", logger="fxpooch.profile"):
+        link = host_link(LinkCalibration("cpu", sizes, flat, flat, flat, flat))
+    assert link == get_link("host") and link.on_compute_stream
+    assert "could not be fitted" in caplog.text
+    growing = tuple(1e-5 + n / 5e9 for n in sizes)
+    fitted = host_link(LinkCalibration("cpu", sizes, growing, growing, growing, growing))
+    assert fitted.name == "measured:cpu" and fitted.on_compute_stream
+    assert fitted.bandwidth == pytest.approx(5e9) and fitted.latency == pytest.approx(1e-5)
+
+
 def test_measured_host_link_times_the_copies_a_cpu_run_makes():
     from fxpooch.calibrate import HOST_LINK_SIZES, measure_host_link
     from fxpooch.timing import ProfileOptions
