@@ -1,4 +1,4 @@
-"""Shape sanity checks of the benchmark models in ``fxpooch/models.py``, on the meta device.
+"""Shape sanity checks of the benchmark models in ``fxpooch/models``, on the meta device.
 
 Everything is built *and* run under ``with torch.device("meta")``: no memory is
 allocated and no arithmetic is done, so even the full-size models check in

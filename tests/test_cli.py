@@ -141,7 +141,7 @@ def test_cli_models_are_part_of_the_installed_package(tmp_path):
     import tomllib
 
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "fxpooch" in config["packages"] and "py.typed" in config["package-data"]["fxpooch"]
+    assert {"fxpooch", "fxpooch.models"} <= set(config["packages"]) and "py.typed" in config["package-data"]["fxpooch"]
     assert (REPO / "fxpooch" / "py.typed").exists()
     r = subprocess.run([sys.executable, "-c", "import fxpooch.__main__ as m, fxpooch.models as z, sys; "
                         "print(z.__file__); m.load_model('resnet50', 2, None); "
@@ -149,7 +149,7 @@ def test_cli_models_are_part_of_the_installed_package(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     models_file, zoo_modules = r.stdout.splitlines()
-    assert Path(models_file).parent == REPO / "fxpooch" and zoo_modules == "[]"
+    assert Path(models_file).parent == REPO / "fxpooch" / "models" and zoo_modules == "[]"
 
 
 # -- what a user types: limits, help, and mistakes caught before the slow steps ----------------

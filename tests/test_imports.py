@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: earliest first; a module may import from its own stage and the ones before it
 STAGES: list[tuple[str, set[str]]] = [
-    ("base", {"errors", "bytesize", "units", "_torch_compat", "progress", "debug", "models", "types"}),
+    ("base", {"errors", "bytesize", "units", "_torch_compat", "progress", "debug", "models", "models.inputs", "models.vision",
+              "models.video", "models.gpt", "types"}),
     ("capture", {"capture", "recompute", "opkind", "memory"}),
     ("graph", {"graph"}),
     ("costs", {"hardware", "costmodel", "profile", "timing", "calibrate", "limits"}),
