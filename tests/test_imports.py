@@ -18,7 +18,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("base", {"errors", "bytesize", "units", "_torch_compat", "progress", "debug", "models", "types"}),
     ("capture", {"capture", "recompute", "opkind", "memory"}),
     ("graph", {"graph"}),
-    ("costs", {"hardware", "costmodel", "profile", "timing", "calibrate", "limits"}),
+    ("costs", {"hardware", "costmodel", "profile", "scratch", "timing", "calibrate", "limits"}),
     ("schedule", {"schedule", "simulator"}),
     ("planners", {"planners", "planners.registry", "planners.common", "planners.lp", "planners.milp", "planners.baselines",
                   "planners.bounds", "planners.pooch", "planners.search"}),
