@@ -261,7 +261,8 @@ def _per_node(table: NodeTable, clock: Callable[[], Callable[[], float]], repeat
     samples: dict[str, list[float]] = {}
     total = sum(1 for pair in table.pairs for gm in (pair.forward, pair.backward)
                 for n in gm.graph.nodes if n.op == "call_function")
-    with stage("profiling node by node", total, "node") as progress:
+    label = "profiling node by node" if meter is None else "measuring scratch memory node by node"
+    with stage(label, total, "node") as progress:
         for g, pair in enumerate(table.pairs):
             # a backward placeholder that receives a saved value stands for the forward node that made it
             saved = dict(zip(pair.backward.graph.find_nodes(op="placeholder"), pair.saved_nodes))
