@@ -150,6 +150,16 @@ def test_in_core_plan_charges_the_scratch_of_a_forward_op(measured: Profile):
     assert measured_peak(cm, model, x) == forward + rng_snapshot
 
 
+def test_a_share_of_the_in_core_peak_counts_the_scratch(measured: Profile):
+    # twice the scratch: the in-core peak is the scratchy op's, above the one the graph alone gives
+    doubled = dataclasses.replace(measured, op_scratch={k: 2 * v for k, v in measured.op_scratch.items()})
+    model, x = net()
+    plan = fxpooch.compile(model, x, "100%", profile=doubled, codegen="fx").plan
+    assert plan.in_core_peak_bytes == in_core_peak_bytes(dataclasses.replace(plan.graph, op_scratch=())) + 4 * MiB
+    assert plan.mem_limit == plan.in_core_peak_bytes == plan.peak_bytes
+    assert set(plan.decisions.values()) == {"keep"}
+
+
 def test_profile_json_round_trip_keeps_the_scratch(measured: Profile, tmp_path):
     path = tmp_path / "p.json"
     measured.save(path)
