@@ -53,11 +53,15 @@ class Profile:
     fingerprint: str
     op_scratch: dict[str, int] = field(default_factory=dict)
 
-    def costs(self, graph: StepGraph) -> Costs:
+    def check(self, graph: StepGraph) -> None:
+        """Raise :class:`InvalidProfile` unless this profile was made for ``graph``."""
         if self.fingerprint != fingerprint(graph):
             raise InvalidProfile(
                 f"profile {self.fingerprint} was made for other graphs than these ({fingerprint(graph)}); "
                 "profile this model again (a different model, batch shape or torch version changes the graphs)")
+
+    def costs(self, graph: StepGraph) -> Costs:
+        self.check(graph)
         op_time = tuple(self.op_times.get(op_key(graph, i), 0.0) for i in range(len(graph.ops)))
         d2h, h2d = self.link.directed("d2h"), self.link.directed("h2d")
         return Costs(op_time,
@@ -68,7 +72,7 @@ class Profile:
     def charged(self, graph: StepGraph) -> StepGraph:
         """``graph`` with this profile's scratch bytes per op (:attr:`StepGraph.op_scratch`), which the
         schedule and the simulator charge during every run of the op."""
-        self.costs(graph)  # the same fingerprint check
+        self.check(graph)
         scratch = tuple(self.op_scratch.get(op_key(graph, i), 0) for i in range(len(graph.ops)))
         scratch = scratch if any(scratch) else ()
         return graph if scratch == graph.op_scratch else dataclasses.replace(graph, op_scratch=scratch)

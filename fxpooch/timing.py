@@ -3,7 +3,9 @@
 ``measure_profile`` times every node (CUDA events on a GPU, a CPU clock otherwise). In situ, each
 graph pair runs whole on the inputs seen at capture, which needs the in-core step's memory; per
 node, each node runs alone on fresh inputs of its traced shapes, which needs one node's inputs and
-outputs, so a step that does not fit can still be profiled. :class:`ProfileOptions` says how.
+outputs, so a step that does not fit can still be profiled. :class:`ProfileOptions` says how. One
+more run of the same mode, untimed, measures the memory each op takes and frees inside itself
+(:mod:`fxpooch.scratch`).
 """
 from __future__ import annotations
 
@@ -171,7 +173,8 @@ def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[l
                     options: ProfileOptions = ProfileOptions(), mem_limit: int | None = None,
                     in_core_peak: int | None = None) -> Profile:
     """Time every node of every captured graph pair (``options.repeats`` runs each, summarised
-    by :meth:`ProfileOptions.summary`: the least on a wall clock, the median on the thread clock).
+    by :meth:`ProfileOptions.summary`: the least on a wall clock, the median on the thread clock),
+    then measure each node's scratch bytes in one more run (``Profile.op_scratch``).
 
     ``example_args`` (the captured inputs of each pair) are read in situ only; "auto" needs
     ``mem_limit`` and the step's ``in_core_peak`` bytes (:func:`fxpooch.simulator.in_core_peak_bytes`).
