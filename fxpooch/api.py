@@ -262,13 +262,16 @@ class CompiledModule(nn.Module):
 
 def _profile_and_plan(step: TracedStep, mem_limit: int | InCoreShare, options: CompileOptions) -> Plan:
     """Steps 2 and 3 of the pipeline for a traced step (Step 1: :func:`~fxpooch.pipeline.trace_step`)."""
-    if isinstance(mem_limit, InCoreShare):  # "60%": of this step's in-core peak
-        mem_limit = mem_limit.of(in_core_peak_bytes(step.graph))
+    share = mem_limit if isinstance(mem_limit, InCoreShare) else None
+    if share is not None:  # "60%": of this step's in-core peak
+        mem_limit = share.of(in_core_peak_bytes(step.graph))
     margin = options.margin_for(step.device)
     # Step 2, profile: seconds per op (measured under the limit less the margin, or analytic)
     profile = profile_step(step, options.profile_source, hardware=options.hardware, link=options.link,
                            mode=options.profile_mode, mem_limit=mem_limit - margin.of(mem_limit),
                            fused=options.codegen == "inductor")
+    if share is not None:  # with the scratch memory the profile measured inside the ops
+        mem_limit = share.of(in_core_peak_bytes(profile.charged(step.graph)))
     # Step 3, plan: keep / swap / recompute per activation, simulated
     return plan_graph(step.graph, step.table, profile, mem_limit, planner=options.planner, margin=margin)
 

@@ -94,6 +94,9 @@ class StepGraph:
     #: forward ops whose values the backward receives (activations' members and resident ones)
     saved: frozenset[int]
     buffer_of: tuple[tuple[int, ...], ...] = field(repr=False)  # op id -> buffers its value spans
+    #: per op: device bytes it allocates and frees inside itself each time it runs, above its inputs
+    #: and outputs (a measured profile's, :meth:`fxpooch.profile.Profile.charged`); () when none has any
+    op_scratch: tuple[int, ...] = ()
 
     def backward_readers(self, act: Activation) -> list[int]:
         """Backward ops (program order) that read one of ``act``'s members."""

@@ -190,7 +190,8 @@ def _decisions(graph: StepGraph, candidate: Candidate) -> dict[str, str]:
 def plan_graph(graph: StepGraph, table: NodeTable, profile: Profile, mem_limit: int, *,
                planner: str | Planner = "local", margin: Margin = Margin()) -> Plan:
     """Step 3: decide keep / swap / recompute for every activation of ``graph`` to fit ``mem_limit``
-    bytes (``margin`` of it kept for the allocator), and simulate the result: a :class:`Plan`.
+    bytes (``margin`` of it kept for the allocator), and simulate the result: a :class:`Plan`. The
+    plan's graph is ``graph`` with ``profile``'s scratch bytes per op (:meth:`Profile.charged`).
 
     ``planner``: a registered name or a function ``Problem -> Candidate``. An impossible limit
     raises :class:`~fxpooch.errors.InfeasibleMemoryLimit` with the smallest feasible one.
@@ -203,6 +204,7 @@ def plan_graph(graph: StepGraph, table: NodeTable, profile: Profile, mem_limit: 
     True
     """
     label = planner if isinstance(planner, str) else resolve_planner(planner)[0]
+    graph = profile.charged(graph)  # the ops' scratch bytes, charged while each op runs
     with stage(f"planning with {label} ({len(graph.activations)} activations)"):
         name, candidate, reserve = _solve(graph, profile, mem_limit, planner, margin)
     costs = profile.costs(graph)

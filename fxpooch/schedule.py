@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,17 @@ class Schedule:
     materialises: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     #: did sharing change anything (a chain stopped at, or rebuilt, another recomputed activation)
     shared: bool = False
+    #: per op: bytes it takes and frees inside itself while it runs (the graph's ``op_scratch``)
+    op_scratch: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def instr_scratch(self) -> tuple[int, ...]:
+        """Per instruction: the scratch bytes held while it runs (a RUN's or RECOMPUTE's op's); ()
+        when no op takes any."""
+        if not self.op_scratch:
+            return ()
+        scratch, ops = self.op_scratch, (Kind.RUN, Kind.RECOMPUTE)
+        return tuple(scratch[ins.op] if ins.kind in ops else 0 for ins in self.instrs)
 
 
 class NotRecomputable(Exception):
@@ -287,7 +299,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         decisions=decisions, prefetch_before=tuple(prefetch), instrs=tuple(instrs),
         instance_bytes=tuple(inst_bytes), instance_buffer=tuple(inst_buf), persistent=tuple(persistent),
         last_reader=tuple(last), first_alloc=tuple(first), chains=chains, first_use=first_use,
-        materialises=materialises, shared=shared,
+        materialises=materialises, shared=shared, op_scratch=graph.op_scratch,
     )
 
 

@@ -59,6 +59,7 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
     while forward_last >= 0 and instrs[forward_last].kind is not Kind.RUN:
         forward_last -= 1
     RUN, RECOMPUTE, OFFLOAD, PREFETCH = Kind.RUN, Kind.RECOMPUTE, Kind.OFFLOAD, Kind.PREFETCH
+    scratch = schedule.instr_scratch  # held from an op's start to its end, on top of what it allocates
     op_time, d2h_time, h2d_time, serial = costs.op_time, costs.d2h_time, costs.h2d_time, costs.serial_copies
     pending: list[tuple[float, int]] = []  # heap of (free time, bytes) of frees still ahead
     live = graph.resident_bytes
@@ -74,20 +75,23 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
     for i, instr in enumerate(instrs):
         kind = instr[0]
         need = new_bytes[i]
-        if need:
+        extra = scratch[i] if scratch else 0
+        if need or extra:
             if kind is not OFFLOAD:
                 while pending and pending[0][0] <= t:
                     live -= heapq.heappop(pending)[1]
-                while mem_limit is not None and live + need > mem_limit and pending:
+                while mem_limit is not None and live + need + extra > mem_limit and pending:
                     when, nbytes = heapq.heappop(pending)  # wait for the next copy to release memory
                     if when > t:
                         t = when
                     live -= nbytes
                 live += need
-            event((t, i, need))
+            event((t, i, need + extra))
         if kind is RUN or kind is RECOMPUTE:
             s = t
             t = e = t + op_time[instr[1]]
+            if extra:
+                event((e, i + 0.25, -extra))  # before the frees of its inputs (i + 0.5)
         elif kind is OFFLOAD:
             act = instr[2]
             s = d2h if d2h > t else t
@@ -150,7 +154,8 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
 
 
 def static_memory(schedule: Schedule) -> np.ndarray:
-    """Device bytes live during each instruction (resident excluded), copies instantaneous."""
+    """Device bytes live during each instruction (resident excluded, an op's scratch included),
+    copies instantaneous."""
     n = len(schedule.instrs)
     nbytes = np.asarray(schedule.instance_bytes, dtype=np.int64)
     alloc = np.asarray(schedule.first_alloc, dtype=np.int64)
@@ -159,7 +164,10 @@ def static_memory(schedule: Schedule) -> np.ndarray:
     freed = live & ~np.asarray(schedule.persistent, dtype=bool)
     delta = np.bincount(alloc[live], nbytes[live], minlength=n + 1) - np.bincount(
         frees[freed], nbytes[freed], minlength=n + 1)
-    return np.cumsum(delta[:n]).astype(np.int64)
+    mem = np.cumsum(delta[:n]).astype(np.int64)
+    if schedule.instr_scratch:  # an op's scratch is live during its own instruction only
+        mem += np.asarray(schedule.instr_scratch, dtype=np.int64)
+    return mem
 
 
 def in_core_peak_bytes(graph: StepGraph) -> int:

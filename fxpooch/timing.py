@@ -3,10 +3,13 @@
 ``measure_profile`` times every node (CUDA events on a GPU, a CPU clock otherwise). In situ, each
 graph pair runs whole on the inputs seen at capture, which needs the in-core step's memory; per
 node, each node runs alone on fresh inputs of its traced shapes, which needs one node's inputs and
-outputs, so a step that does not fit can still be profiled. :class:`ProfileOptions` says how.
+outputs, so a step that does not fit can still be profiled. :class:`ProfileOptions` says how. One
+more run of the same mode, untimed, measures the memory each op takes and frees inside itself
+(:mod:`fxpooch.scratch`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import statistics
@@ -23,16 +26,20 @@ from .graph import NodeTable, StepGraph
 from .hardware import Link
 from .profile import Profile, fingerprint
 from .progress import stage
+from .scratch import ScratchMeter, measure_scratch
 
 log = logging.getLogger("fxpooch.profile")
 
 class _NodeTimer(fx.Interpreter):
     """Runs a GraphModule node by node, timing each call_function with the frees of the values it
-    read last (as the compiled graph frees them right after it: a large free unmaps memory)."""
+    read last (as the compiled graph frees them right after it: a large free unmaps memory).
+    ``mark(name)``: a context around each call_function's own call (not those frees)."""
 
-    def __init__(self, gm: fx.GraphModule, clock: Callable[[], Callable[[], float]]):
+    def __init__(self, gm: fx.GraphModule, clock: Callable[[], Callable[[], float]],
+                 mark: Callable[[str], contextlib.AbstractContextManager] | None = None):
         super().__init__(gm, garbage_collect_values=True)
         self.clock = clock
+        self.mark = mark or (lambda name: contextlib.nullcontext())
         self.times: dict[str, float] = {}
         # freed here, inside the timed call, instead of by Interpreter.run after it
         self.last_readers, self.user_to_last_uses = self.user_to_last_uses, {}
@@ -53,7 +60,8 @@ class _NodeTimer(fx.Interpreter):
             return out
         stop = self.clock()
         try:
-            out = super().run_node(n)
+            with self.mark(n.name):
+                out = super().run_node(n)
         except Exception as e:
             raise RuntimeError(f"profiling failed at node {n.format_node()}: {e}") from e
         self._free_after(n)
@@ -165,7 +173,8 @@ def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[l
                     options: ProfileOptions = ProfileOptions(), mem_limit: int | None = None,
                     in_core_peak: int | None = None) -> Profile:
     """Time every node of every captured graph pair (``options.repeats`` runs each, summarised
-    by :meth:`ProfileOptions.summary`: the least on a wall clock, the median on the thread clock).
+    by :meth:`ProfileOptions.summary`: the least on a wall clock, the median on the thread clock),
+    then measure each node's scratch bytes in one more run (``Profile.op_scratch``).
 
     ``example_args`` (the captured inputs of each pair) are read in situ only; "auto" needs
     ``mem_limit`` and the step's ``in_core_peak`` bytes (:func:`fxpooch.simulator.in_core_peak_bytes`).
@@ -185,8 +194,11 @@ def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[l
     try:
         if mode == "in-situ":
             samples = _in_situ(table, example_args, device, clock, options.repeats)
+            # one more pass, untimed, for the scratch (a profiler would slow the timed ones)
+            scratch = measure_scratch(device, lambda meter: _in_situ(table, example_args, device, clock, 0, meter))
         else:
             samples = _per_node(table, clock, options.repeats)
+            scratch = measure_scratch(device, lambda meter: _per_node(table, clock, 0, meter))
     finally:
         torch.set_rng_state(rng)
         if cuda_rng is not None:
@@ -195,7 +207,7 @@ def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[l
     source = ("cuda-events" if on_cuda else "cpu-thread-time" if thread else "cpu-timer") + (
         " per-node" if mode == "per-node" else "")
     log.info("profiled %d ops with %s", len(times), source)
-    return Profile(source, link, times, fingerprint(graph))
+    return Profile(source, link, times, fingerprint(graph), scratch)
 
 
 def _device_of(table: NodeTable, example_args: Sequence[list[Any]]) -> torch.device:
@@ -210,12 +222,19 @@ def _device_of(table: NodeTable, example_args: Sequence[list[Any]]) -> torch.dev
     return torch.device("cpu")
 
 
+def _marker(meter: ScratchMeter | None, prefix: str) -> Callable[[str], contextlib.AbstractContextManager] | None:
+    """``meter``'s mark of a node named ``name`` under the profile key ``prefix + name``."""
+    return None if meter is None else (lambda name: meter.node(prefix + name))
+
+
 def _in_situ(table: NodeTable, example_args: Sequence[list[Any]], device: torch.device,
-             clock: Callable[[], Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+             clock: Callable[[], Callable[[], float]], repeats: int,
+             meter: ScratchMeter | None = None) -> dict[str, list[float]]:
+    """``repeats`` timed runs of each pair after a warm-up one (``meter`` marks every run's nodes)."""
     samples: dict[str, list[float]] = {}
     for g, (pair, args) in enumerate(zip(table.pairs, example_args)):
         for r in range(repeats + 1):  # the first run warms up
-            fw = _NodeTimer(pair.forward, clock)
+            fw = _NodeTimer(pair.forward, clock, _marker(meter, f"{g}/forward/"))
             with torch.no_grad():
                 outs = fw.run(*args)
             user, saved = list(outs[:pair.num_user_outputs]), list(outs[pair.num_user_outputs:])
@@ -226,7 +245,7 @@ def _in_situ(table: NodeTable, example_args: Sequence[list[Any]], device: torch.
             # reader, as when the step runs
             env = dict(zip(placeholders, [*saved, *tangents]))
             del saved, tangents
-            bw = _NodeTimer(pair.backward, clock)
+            bw = _NodeTimer(pair.backward, clock, _marker(meter, f"{g}/backward/"))
             with torch.no_grad():
                 bw.run(initial_env=env)
             del user, env
@@ -238,12 +257,15 @@ def _in_situ(table: NodeTable, example_args: Sequence[list[Any]], device: torch.
     return samples
 
 
-def _per_node(table: NodeTable, clock: Callable[[], Callable[[], float]], repeats: int) -> dict[str, list[float]]:
-    """Each call_function node alone on fresh inputs, freed before the next node."""
+def _per_node(table: NodeTable, clock: Callable[[], Callable[[], float]], repeats: int,
+              meter: ScratchMeter | None = None) -> dict[str, list[float]]:
+    """Each call_function node alone on fresh inputs, freed before the next node (``meter`` marks
+    every run's call)."""
     samples: dict[str, list[float]] = {}
     total = sum(1 for pair in table.pairs for gm in (pair.forward, pair.backward)
                 for n in gm.graph.nodes if n.op == "call_function")
-    with stage("profiling node by node", total, "node") as progress:
+    label = "profiling node by node" if meter is None else "measuring scratch memory node by node"
+    with stage(label, total, "node") as progress:
         for g, pair in enumerate(table.pairs):
             # a backward placeholder that receives a saved value stands for the forward node that made it
             saved = dict(zip(pair.backward.graph.find_nodes(op="placeholder"), pair.saved_nodes))
@@ -253,7 +275,8 @@ def _per_node(table: NodeTable, clock: Callable[[], Callable[[], float]], repeat
                         continue
                     key = f"{g}/{phase}/{node.name}"
                     # getitem picks an element of a multi-output node's result: no kernel
-                    samples[key] = [0.0] if node.target is operator.getitem else _bench_node(node, clock, repeats, saved)
+                    samples[key] = [0.0] if node.target is operator.getitem else _bench_node(
+                        node, clock, repeats, saved, _marker(meter, f"{g}/{phase}/"))
                     progress.update()
     return samples
 
@@ -263,15 +286,16 @@ PRODUCER_DEPTH = 2
 
 
 def _bench_node(node: fx.Node, clock: Callable[[], Callable[[], float]], repeats: int,
-                saved: dict[fx.Node, fx.Node] | None = None) -> list[float]:
+                saved: dict[fx.Node, fx.Node] | None = None,
+                mark: Callable[[str], contextlib.AbstractContextManager] | None = None) -> list[float]:
     """Time ``node`` on fresh inputs of its traced shapes. Where the real kernel refuses them (a traced
     dtype that differs from what the real producer makes, e.g. LayerNorm's statistics under bf16
     autocast are fp32 on CPU), its inputs are made by running their producers on fresh inputs."""
     try:
-        return _timed(node, _inputs(node, 0, saved or {}), clock, repeats)
+        return _timed(node, _inputs(node, 0, saved or {}), clock, repeats, mark)
     except Exception as first:
         try:
-            return _timed(node, _inputs(node, PRODUCER_DEPTH, saved or {}), clock, repeats)
+            return _timed(node, _inputs(node, PRODUCER_DEPTH, saved or {}), clock, repeats, mark)
         except Exception:
             raise RuntimeError(f"profiling failed at node {node.format_node()} (run alone on fresh inputs): "
                                f"{first}; profile with mode='in-situ' if the step fits, or profile='analytic'") from first
@@ -300,13 +324,16 @@ def _inputs(node: fx.Node, depth: int, saved: dict[fx.Node, fx.Node]) -> tuple[t
 
 
 def _timed(node: fx.Node, inputs: tuple[tuple, dict], clock: Callable[[], Callable[[], float]],
-           repeats: int) -> list[float]:
+           repeats: int, mark: Callable[[str], contextlib.AbstractContextManager] | None = None) -> list[float]:
+    """``repeats`` timed calls after a warm-up one (each marked by ``mark(node.name)``)."""
     args, kwargs = inputs
     times = []
+    mark = mark or (lambda name: contextlib.nullcontext())
     with torch.no_grad():
         for r in range(repeats + 1):  # the first run warms up
             stop = clock()
-            out = node.target(*args, **kwargs)
+            with mark(node.name):
+                out = node.target(*args, **kwargs)
             del out  # its free is part of its cost (in situ, the free of a value is its last reader's)
             elapsed = stop()
             if r:

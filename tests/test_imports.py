@@ -19,7 +19,7 @@ STAGES: list[tuple[str, set[str]]] = [
               "models.video", "models.gpt", "types"}),
     ("capture", {"capture", "recompute", "opkind", "memory"}),
     ("graph", {"graph"}),
-    ("costs", {"hardware", "costmodel", "profile", "timing", "calibrate", "limits"}),
+    ("costs", {"hardware", "costmodel", "profile", "scratch", "timing", "calibrate", "limits"}),
     ("schedule", {"schedule", "simulator"}),
     ("planners", {"planners", "planners.registry", "planners.common", "planners.lp", "planners.milp", "planners.baselines",
                   "planners.bounds", "planners.pooch", "planners.search"}),

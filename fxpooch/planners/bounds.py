@@ -264,6 +264,7 @@ class Bounds:
             else:
                 cand = tuple(a for a in live if span[a][2] < i)
                 slack = 0
+            # mem[i] holds the op's own scratch (StepGraph.op_scratch), as every plan does while it runs
             excess = int(base + mem[i] - slack)
             old = chosen.get(cand)
             if excess > 0 and (old is None or excess > old.excess):
@@ -320,8 +321,10 @@ class Bounds:
         out = []
         for u, rebuilt in sorted(by_reader.items()):
             i = at[u]
-            before = int(mem[i]) - sum(sched.instance_bytes[x] for x in set(sched.instrs[i].allocs)
-                                       if sched.first_alloc[x] == i)
+            # not u's scratch either (held while u runs, after its group); the scratch of the chain's
+            # ops is left out of ``rebuild``: fewer bytes than a plan holds, so the bound stays valid
+            before = int(mem[i]) - (sched.instr_scratch[i] if sched.instr_scratch else 0) - sum(
+                sched.instance_bytes[x] for x in set(sched.instrs[i].allocs) if sched.first_alloc[x] == i)
             live = [a for a in range(len(acts)) if span[a][0] < i <= span[a][1]]
             held = [self.rebuild(a, recomputable) for a in rebuilt]
             read = set.intersection(*(inputs for _, inputs in held))  # on the device while it runs

@@ -35,6 +35,11 @@ before their first reader: ``T >= θ_p + tail_p + sum r_a r_ap`` and likewise up
 point after each first reader. ``T >= compute + sum r_a x_a^r``. (``r_a`` as in
 ``Bounds.recompute_costs``: shared segments are not counted twice.)
 
+**Scratch.** The memory an op takes inside itself (``StepGraph.op_scratch``) is in ``M_c`` at a
+cut (every plan holds the op's scratch while it runs) and left out at a rebuild point (neither
+``u``'s nor the chain's): bytes a plan holds that the model does not ask for only relax it, so the
+bound stays valid (and :mod:`.milp`'s with it).
+
 Solved by HiGHS through ``scipy.optimize`` (an optional dependency, ``pip install fxpooch[lp]``);
 without scipy the cut bound is returned.
 """
