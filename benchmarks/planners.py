@@ -196,13 +196,14 @@ def fill_exact(path: str, jobs: int, only: set[str] | None) -> list[dict]:
     for i, r in enumerate(rows):
         if r["optimum"] is None and r["activations"] <= MILP_UP_TO and (only is None or r["model"] in only):
             tasks.setdefault((r["model"], r["batch"], r["hardware"]), []).append((i, r["point"]))
+    data["exact_command"] = f"python benchmarks/planners.py --part exact (EXACT_WORK {EXACT_WORK:,} op-simulations per row)"
+    smallest_first = sorted(tasks.items(), key=lambda t: (rows[t[1][0][0]]["ops"], t[0]))
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        for done in pool.imap_unordered(_exact_task, sorted(tasks.items(), key=lambda t: -len(t[1]))):
+        for done in pool.imap_unordered(_exact_task, smallest_first):
             for i, cols in done:
                 rows[i].update(cols)
-    data["exact_command"] = f"python benchmarks/planners.py --part exact (EXACT_WORK {EXACT_WORK:,} op-simulations per row)"
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+            with open(path, "w") as f:  # each model and preset as it ends
+                json.dump(data, f, indent=1)
     return rows
 
 
