@@ -59,8 +59,9 @@ class SearchOptions:
 
 
 def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
-    """First-improvement descent over single-activation changes, largest activations first,
-    until no change helps or ``simulations`` more plans have been judged."""
+    """First-improvement descent over single-activation changes, largest activations first, then
+    (where none helps) trades between two activations of the same bytes (:func:`exchange`), until
+    no change helps or ``simulations`` more plans have been judged."""
     stop_at = ev.simulations + simulations
     floor = ev.evaluate(ev.all_keep()).step_time  # nothing beats in-core (cheaper than lower_bound)
     best = seed
@@ -82,8 +83,34 @@ def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
                     break
             if ev.simulations >= stop_at:
                 break
+        if not improved and ev.simulations < stop_at:
+            trade = exchange(ev, best, order, stop_at)
+            best, improved = (trade, True) if trade is not None else (best, False)
     log.info("local search: %.4g s -> %.4g s (%d evaluations)", seed.step_time, best.step_time, ev.evaluations)
     return best
+
+
+def exchange(ev: Evaluator, best: Candidate, order: list[int], stop_at: int) -> Candidate | None:
+    """The first faster fitting plan that trades the decisions of two activations of the same
+    bytes (keep the first and recompute the second rather than the reverse, say: the same memory
+    freed, by a cheaper chain), or None; ``order``: largest first."""
+    acts = ev.graph.activations
+    nbytes = [ev.graph.buffers[act.buffer].nbytes for act in acts]
+    for i, a in enumerate(order):
+        for b in order[i + 1:]:
+            if nbytes[b] != nbytes[a]:
+                break
+            da, db = best.decisions[a], best.decisions[b]
+            if da is db or (Decision.SWAP in (da, db) and not (acts[a].swappable and acts[b].swappable)):
+                continue
+            if ev.simulations >= stop_at:
+                return None
+            trial = list(best.decisions)
+            trial[a], trial[b] = db, da
+            c = ev.evaluate(trial)
+            if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
+                return c
+    return None
 
 
 def repeated_groups(ev: Evaluator) -> list[list[int]]:
