@@ -6,9 +6,11 @@ and 1/4 and 1/2 of the way from it to the in-core peak) it plans with ``pooch``,
 step time of each; the lower bounds: the cut bound (``planners/bounds.py``), its LP relaxation
 (``planners/lp.py``) and the same model with integral decisions (``planners/milp.py``, HiGHS
 stopped after ``MILP_SECONDS``: then its proved dual bound); the optimum where it is known:
-``exact`` on graphs of at most ``EXACT_UP_TO`` activations, or a plan no slower than the best
-bound (the bound proves it optimal); and the default planner's gap to the optimum and to the
-best bound (an upper estimate of its distance from the optimum). Planning times are CPU seconds
+the budgeted exact search (``search.exact_search``, ``EXACT_WORK`` op-simulations: a plan and a
+proved bound, the optimum where nothing is left open), or a plan no slower than the best bound
+(the bound proves it optimal); and the default planner's gap to the optimum (a range, from the
+exact search's best plan to its proved bound, where the optimum stays open) and to the best
+bound. Planning times are CPU seconds
 of this process, so other load does not inflate them (HiGHS's limit is wall-clock).
 Models: the test zoo (tests/zoo.py), GPT-2 at 2 layers (HuggingFace, as the sweep), an 8-layer
 convnet; ``--models a,b`` runs a subset (also ``resnet50``, ``gpt2``... of ``fxpooch.models``).
@@ -19,12 +21,16 @@ meta tensors (no memory used). Writes benchmarks/results/planners.json.
 planner over GPT-2 depths, ResNet-50 and the test zoo at limits from the floor to in-core on
 three presets, its gap to the best plan and the bound, and planning time vs graph size
 (results/planners_sweep.json, results/planners_time.svg).
+
+``--part exact`` runs only the exact search on the rows of the saved gap part that have no
+optimum yet (``--jobs`` processes), and rewrites the JSON and the README's table.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -44,10 +50,12 @@ from fxpooch.planners import PLANNERS, Evaluator  # noqa: E402
 from fxpooch.planners.bounds import lower_bound  # noqa: E402
 from fxpooch.planners.lp import lp_lower_bound  # noqa: E402
 from fxpooch.planners.milp import milp_lower_bound  # noqa: E402
+from fxpooch.planners.search import exact_search  # noqa: E402
 
 POINTS = (0.0, 0.25, 0.5)  # limit = floor + point * (in-core - floor)
-#: the exact search proves the optimum in seconds up to here on these models (see search.py)
-EXACT_UP_TO = 12
+#: the budgeted exact search's work per row, in op-simulations (a simulation of an n-op step
+#: counts n; an LP solved counts as a simulation): about 12 CPU seconds on this project's machine
+EXACT_WORK = 1_000_000
 #: the LP and the MILP run on graphs of at most this many activations (the cut bound on all)
 MILP_UP_TO = 150
 #: HiGHS's wall-clock limit per MILP; past it the bound it has proved is used
@@ -88,11 +96,9 @@ def run(models, presets, planners) -> list[dict]:
             base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
             capture_s = time.perf_counter() - t0
             graph = base.graph
-            floor = Evaluator(problem_of(base, base.in_core_peak_bytes)).floor().timeline.static_peak_bytes
             print(f"{name}{f' b{batch}' if batch else ''} on {hw}: {len(graph.ops)} ops, {len(graph.activations)} activations, "
                   f"captured in {capture_s:.1f} s", file=sys.stderr, flush=True)
-            for point in POINTS:
-                limit = int(floor + point * (base.in_core_peak_bytes - floor))
+            for point, limit in limits(base):
                 row = {"model": name, "batch": batch, "hardware": hw, "point": point,
                        "fraction": limit / base.in_core_peak_bytes, "ops": len(graph.ops),
                        "activations": len(graph.activations)}
@@ -125,46 +131,114 @@ def bound_columns(base, limit: int) -> dict:
         if value == math.inf:
             out["no_plan_fits"] = True
     out.setdefault("no_plan_fits", False)
-    found = [v for v in (out["cut"], out["lp"], out["milp"]) if v is not None]
-    out["bound"] = max(found) if found else None
-    out["optimum"], out["optimum_from"] = None, None
-    if n <= EXACT_UP_TO:
-        t0 = time.process_time()
-        try:
-            out["optimum"] = fxpooch.replan(base, planner="exact", mem_limit=limit).step_time / ic
-            out["optimum_from"] = "exact"
-        except InfeasibleMemoryLimit:
-            pass
-        out["exact_s"] = time.process_time() - t0
+    if n <= MILP_UP_TO:
+        out.update(exact_columns(base, limit))
+    else:
+        out["optimum"], out["optimum_from"] = None, None
     return out
 
 
+def exact_columns(base, limit: int) -> dict:
+    """The budgeted exact search: its best plan and proved bound relative to in-core, the optimum
+    where it proved one, its work and CPU seconds."""
+    ic = base.in_core_time
+    t0 = time.process_time()
+    res = exact_search(problem_of(base, limit), work=max(1, EXACT_WORK // len(base.graph.ops)))
+    best = None if res.best is None else res.best.step_time / ic
+    return {"exact_best": best, "exact_bound": None if res.bound == math.inf else res.bound / ic,
+            "exact_proved": res.proved, "exact_work": res.work, "exact_nodes": res.nodes,
+            "exact_s": time.process_time() - t0,
+            "exact_decisions": None if res.best is None else "".join(d.value[0] for d in res.best.decisions),
+            "optimum": best if res.proved else None, "optimum_from": "exact" if res.proved and best else None}
+
+
 def gaps(row: dict, planners) -> None:
-    """Each planner's gap to the optimum and to the best bound; a plan that meets the bound is optimal."""
+    """Each planner's gap to the optimum and to the best bound; a plan that meets the bound is
+    optimal. Where the optimum is open, ``_gap_low`` / ``_gap_high``: the gap to the fastest plan
+    known (any planner's or the exact search's) and to the best bound (the optimum lies between)."""
     found = [row[p] for p in planners if row[p] is not None]
+    proved = [row[k] for k in ("cut", "lp", "milp", "exact_bound") if row.get(k) is not None]
+    row["bound"] = max(proved) if proved else None
     if row["optimum"] is None and found and row["bound"] is not None and min(found) <= row["bound"] * (1 + 1e-9):
         row["optimum"], row["optimum_from"] = min(found), "bound"
+    known = [v for v in (*found, row.get("exact_best")) if v is not None]
+    row["best_known"] = min(known) if known else None  # the fastest plan any planner or the exact search found
     for p in planners:
-        for key, ref in (("gap", row["optimum"]), ("gap_bound", row["bound"])):
+        for key, ref in (("gap", row["optimum"]), ("gap_bound", row["bound"]),
+                         ("gap_low", row["optimum"] or row["best_known"]), ("gap_high", row["optimum"] or row["bound"])):
             row[f"{p}_{key}"] = None if row[p] is None or ref is None else round(100 * (row[p] / ref - 1), 9) + 0.0
+
+
+def limits(base) -> list[tuple[float, int]]:
+    """The gap part's limits: (point, bytes) from the floor towards the in-core peak."""
+    floor = Evaluator(problem_of(base, base.in_core_peak_bytes)).floor().timeline.static_peak_bytes
+    return [(point, int(floor + point * (base.in_core_peak_bytes - floor))) for point in POINTS]
+
+
+def _exact_task(task: tuple) -> list[tuple[int, dict]]:
+    (name, batch, hw), rows = task
+    torch.set_num_threads(1)
+    model, x = build(name, batch)
+    base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
+    at = dict(limits(base))
+    out = []
+    for i, point in rows:
+        out.append((i, exact_columns(base, at[point])))
+        print(f"{name} {hw} {point}: {out[-1][1]['exact_s']:.1f} s, proved {out[-1][1]['exact_proved']}",
+              file=sys.stderr, flush=True)
+    return out
+
+
+def fill_exact(path: str, jobs: int, only: set[str] | None) -> list[dict]:
+    """The exact columns of the saved gap rows that have no optimum, in ``jobs`` processes."""
+    with open(path) as f:
+        data = json.load(f)
+    rows = data["rows"]
+    tasks: dict[tuple, list] = {}
+    for i, r in enumerate(rows):
+        if r["optimum"] is None and r["activations"] <= MILP_UP_TO and (only is None or r["model"] in only):
+            tasks.setdefault((r["model"], r["batch"], r["hardware"]), []).append((i, r["point"]))
+    data["exact_command"] = f"python benchmarks/planners.py --part exact (EXACT_WORK {EXACT_WORK:,} op-simulations per row)"
+    smallest_first = sorted(tasks.items(), key=lambda t: (rows[t[1][0][0]]["ops"], t[0]))
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        for done in pool.imap_unordered(_exact_task, smallest_first):
+            for i, cols in done:
+                rows[i].update(cols)
+            with open(path, "w") as f:  # each model and preset as it ends
+                json.dump(data, f, indent=1)
+    return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small models and fewer presets (a few minutes)")
     ap.add_argument("--models", help="comma list of the models to run (default: all of the chosen set)")
-    ap.add_argument("--part", choices=("all", "gap", "sweep"), default="all",
+    ap.add_argument("--part", choices=("all", "gap", "sweep", "exact"), default="all",
                     help="gap: planners vs the optimum / bound; sweep: the default planner over models, "
-                         "limits and presets, with planning time vs graph size")
+                         "limits and presets, with planning time vs graph size; exact: the exact search "
+                         "alone on the saved gap rows without an optimum")
+    ap.add_argument("--jobs", type=int, default=1, help="processes for --part exact")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "planners.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    planners = [p for p in ("pooch", "superneurons", "local") if p in PLANNERS]
+    if args.part == "exact":
+        rows = fill_exact(args.out, args.jobs, set(args.models.split(",")) if args.models else None)
+        for r in rows:
+            gaps(r, planners)
+        with open(args.out) as f:
+            data = json.load(f)
+        data["rows"] = rows
+        with open(args.out, "w") as f:
+            json.dump(data, f, indent=1)
+        print(gap_table(rows, planners))
+        write_readme(os.path.join(os.path.dirname(__file__), "..", "README.md"), rows, planners)
+        return 0
     if args.part in ("all", "sweep"):
         only = set(args.models.split(",")) if args.models and args.part == "sweep" else None
         planners_sweep.main(args.quick, os.path.join(os.path.dirname(args.out), "planners_sweep.json"), only)
     if args.part == "sweep":
         return 0
-    planners = [p for p in ("pooch", "superneurons", "local") if p in PLANNERS]
     models = QUICK if args.quick else FULL
     if args.models:
         wanted = args.models.split(",")
@@ -193,24 +267,35 @@ def gap_table(rows: list[dict], planners, markdown: bool = False) -> str:
     def pct(v):
         return "-" if v is None else f"{v:.1f}%"
 
+    def optimum(r):
+        if r["optimum"] is not None:
+            return fmt(r["optimum"]) + ("" if r["optimum_from"] == "exact" else " (bound)")
+        if r.get("exact_best") is None:
+            return "-"
+        return f"open: {r['bound']:.3f}-{r['best_known']:.3f}x"
+
+    def local_gap(r):
+        if r["local_gap"] is not None or r.get("local_gap_low") is None:
+            return pct(r["local_gap"])
+        return f"{r['local_gap_low']:.1f}-{r['local_gap_high']:.1f}%"
+
     table = []
     for r in rows:
-        optimum = fmt(r["optimum"]) + ("" if r["optimum_from"] in (None, "exact") else " (bound)")
         milp = "-" if r["milp"] is None else fmt(r["milp"]) + ("" if r.get("milp_proved") else "*")
         row = [r["model"], r["hardware"], f"{r['fraction']:.2f}", r["activations"],
                *(fmt(r[p]) if r[p] is not None else "fails" for p in planners),
-               "none fits" if r["no_plan_fits"] else fmt(r["cut"]), fmt(r["lp"]), milp, optimum,
-               pct(r["local_gap"]), pct(r["local_gap_bound"])]
+               "none fits" if r["no_plan_fits"] else fmt(r["cut"]), fmt(r["lp"]), milp, optimum(r),
+               local_gap(r), pct(r["local_gap_bound"]), "-" if r.get("exact_s") is None else f"{r['exact_s']:.1f}"]
         if not markdown:
             row.append(" / ".join(f"{r[f'{p}_s']:.1f}" for p in planners) + f" / {r['milp_s']:.1f}")
         table.append(row)
     headers = ["model", "hardware", "limit", "acts", *planners, "cut bound", "LP bound", "MILP bound", "optimum",
-               "local gap to optimum", "local gap to bound"]
+               "local gap to optimum", "local gap to bound", "exact CPU s"]
     if not markdown:
         headers.append("planning CPU s (" + " / ".join(planners) + " / MILP)")
     title = ("Simulated step time relative to in-core (analytic cost model, not measured); limit as a fraction of "
              "in-core, from the floor up; * a MILP stopped at its time limit (its proved bound); (bound) an "
-             "optimum proved by the bound:")
+             "optimum proved by the bound; open: the best bound and the fastest plan known where the exact search's budget ran out:")
     if markdown:
         return tabulate(table, headers=headers, tablefmt="github")
     return title + "\n" + tabulate(table, headers=headers)
@@ -223,7 +308,10 @@ def write_readme(path: str, rows: list[dict], planners) -> None:
     """Replace the table between the README's gap markers with one made from ``rows``."""
     body = ("\n`python benchmarks/planners.py --part gap` (benchmarks/results/planners.json; simulated on the analytic "
             "cost model; * a MILP stopped at its time limit, its proved bound; (bound) an optimum proved by the "
-            f"bound):\n\n{gap_table(rows, planners, markdown=True)}\n")
+            "bound; the optimum column from `--part exact`, the exact search at "
+            f"{EXACT_WORK:,} op-simulations per row: open, the best bound and the fastest plan known where the "
+            "budget ran out, and local's gap to the optimum as the range they allow):\n\n"
+            f"{gap_table(rows, planners, markdown=True)}\n")
     planners_sweep.replace_between(path, README_BEGIN, README_END, body)
 
 

@@ -22,7 +22,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("costs", {"hardware", "costmodel", "profile", "scratch", "timing", "calibrate", "limits"}),
     ("schedule", {"schedule", "simulator"}),
     ("planners", {"planners", "planners.registry", "planners.common", "planners.lp", "planners.milp", "planners.baselines",
-                  "planners.bounds", "planners.pooch", "planners.search"}),
+                  "planners.bounds", "planners.fixed", "planners.branch", "planners.pooch", "planners.search"}),
     ("plan", {"plan"}),
     ("inspect", {"whatif", "report", "explain", "svg", "trace"}),
     ("passes", {"passes", "passes.meta", "passes.offload", "passes.swapin", "passes.rewrite", "passes.slots"}),

@@ -244,3 +244,17 @@ def test_local_search_never_slower_than_pooch(name, fraction):
     pooch, local = get_planner("pooch")(prob), get_planner("local")(prob)
     assert local.fits and local.timeline.peak_bytes <= prob.mem_limit
     assert local.step_time <= pooch.step_time
+
+
+def test_local_trades_decisions_between_activations_of_the_same_bytes():
+    """cnn_bn near its floor: recomputing the second convolution's output and keeping the first's
+    frees the same bytes by a shorter chain than the reverse, a trade no single change reaches
+    (keeping the first alone does not fit). ``local`` finds it: it is no slower than the exact
+    search's seeds (PoocH and the reference plans, the MILP's point, each improved by local search)."""
+    pytest.importorskip("scipy")
+    from fxpooch.planners.search import exact_search
+
+    prob = problem("cnn_bn", 0.25, "v100-pcie3")
+    seeded = exact_search(prob, work=1)
+    assert not seeded.proved and seeded.bound <= seeded.best.step_time
+    assert get_planner("local")(prob).step_time <= seeded.best.step_time * (1 + 1e-12)

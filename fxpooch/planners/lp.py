@@ -70,6 +70,8 @@ class Model:
     binary: list[bool] = field(default_factory=lambda: [False])  # integral in the MILP
     rows: list[tuple[list[tuple[int, float]], float]] = field(default_factory=list)  # sum <= rhs
     eqs: list[tuple[list[tuple[int, float]], float]] = field(default_factory=list)
+    #: (decision letter ``k``/``s``/``r``, activation) -> its binary variable
+    decisions: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def var(self, hi: float = math.inf, binary: bool = False) -> int:
         self.cost.append(0.0)
@@ -131,7 +133,7 @@ def relaxation(bounds: Bounds) -> Model:
     forward_end = max(stop for _, stop in graph.forward_range)
     suffix = [t / unit for t in bounds.suffix]
     model = Model(unit=unit)
-    x = {(d, a): model.var(1.0, True) for a in range(n) for d in "ksr"}
+    x = model.decisions = {(d, a): model.var(1.0, True) for a in range(n) for d in "ksr"}
     for a in range(n):
         model.eqs.append(([(x[(d, a)], 1.0) for d in "ksr"], 1.0))
         if d2h[a] == math.inf:

@@ -7,9 +7,10 @@ across blocks (a layer's attention scores in every layer, say), then single-acti
 change helps or its budget (op-simulations, so the plan does not depend on the machine) is
 spent; on graphs small enough it then runs the exact search's branch and bound from that plan
 with the budget left. It is never slower than ``pooch`` nor than any reference plan that fits. ``exact`` finds
-the optimum over every decision vector (3^n) by branch and bound on the simulator, for graphs
-of at most ``SearchOptions.max_exact`` activations; with ``bounds.lower_bound`` on larger ones
-it measures how far the heuristics are from the optimum.
+the optimum over every decision vector (3^n) by branch and bound on the simulator (``branch.py``),
+for graphs of at most ``SearchOptions.max_exact`` activations; ``exact_search`` runs it on any
+graph within a budget and returns the best plan found with a proved bound on the optimum, which
+measures how far the heuristics are from it.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from ..schedule import Decision
 from .registry import register
 from .baselines import checkpoint_plan
 from .bounds import Bounds
+from .branch import BranchAndBound, ExactResult, branch_and_bound
+from .fixed import FixedBound
 from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget
 from .pooch import plan_pooch
 
@@ -45,11 +48,20 @@ class SearchOptions:
     #: simulations; up to 16 it usually proves the optimum within a minute, but a limit at the
     #: floor with a fast link (many plans within a few percent) can take minutes from 13 on
     max_exact: int = 20
+    #: the exact search also prunes with the LP of ``lp.py`` with the decided activations fixed
+    #: (``fixed.py``; where scipy is installed): one solve per child not cut by the cheaper bounds.
+    #: Off by default: on the zoo's 13-16 activation graphs it raises the proved bound less per
+    #: CPU second than the cut bounds alone (a solve costs about five simulations there)
+    lp_bounds: bool = False
+    #: HiGHS's node limit on the exact search's root MILP (its bound and its point, a seed; 0:
+    #: none): about 8 CPU seconds on GPT-2 at 2 layers (49 activations), far less on smaller graphs
+    milp_nodes: int = 200
 
 
 def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
-    """First-improvement descent over single-activation changes, largest activations first,
-    until no change helps or ``simulations`` more plans have been judged."""
+    """First-improvement descent over single-activation changes, largest activations first, then
+    (where none helps) trades between two activations of the same bytes (:func:`exchange`), until
+    no change helps or ``simulations`` more plans have been judged."""
     stop_at = ev.simulations + simulations
     floor = ev.evaluate(ev.all_keep()).step_time  # nothing beats in-core (cheaper than lower_bound)
     best = seed
@@ -71,8 +83,34 @@ def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
                     break
             if ev.simulations >= stop_at:
                 break
+        if not improved and ev.simulations < stop_at:
+            trade = exchange(ev, best, order, stop_at)
+            best, improved = (trade, True) if trade is not None else (best, False)
     log.info("local search: %.4g s -> %.4g s (%d evaluations)", seed.step_time, best.step_time, ev.evaluations)
     return best
+
+
+def exchange(ev: Evaluator, best: Candidate, order: list[int], stop_at: int) -> Candidate | None:
+    """The first faster fitting plan that trades the decisions of two activations of the same
+    bytes (keep the first and recompute the second rather than the reverse, say: the same memory
+    freed, by a cheaper chain), or None; ``order``: largest first."""
+    acts = ev.graph.activations
+    nbytes = [ev.graph.buffers[act.buffer].nbytes for act in acts]
+    for i, a in enumerate(order):
+        for b in order[i + 1:]:
+            if nbytes[b] != nbytes[a]:
+                break
+            da, db = best.decisions[a], best.decisions[b]
+            if da is db or (Decision.SWAP in (da, db) and not (acts[a].swappable and acts[b].swappable)):
+                continue
+            if ev.simulations >= stop_at:
+                return None
+            trial = list(best.decisions)
+            trial[a], trial[b] = db, da
+            c = ev.evaluate(trial)
+            if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
+                return c
+    return None
 
 
 def repeated_groups(ev: Evaluator) -> list[list[int]]:
@@ -155,9 +193,9 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     best = group_search(ev, best, max(0, stop_at - ev.simulations))
     best = local_search(ev, best, max(0, stop_at - ev.simulations))
     if len(problem.graph.activations) <= options.max_exact and ev.simulations < stop_at:
-        search = _branch_and_bound(ev, best, stop_at)
-        log.info("local: branch and bound %s after %d nodes", "stopped at the budget" if search.stopped
-                 else "proved the optimum", search.nodes)
+        search = branch_and_bound(ev, best, stop_at)
+        log.info("local: branch and bound %s after %d nodes", "proved the optimum" if search.proved
+                 else "stopped at the budget", search.nodes)
         best = search.best
     return best
 
@@ -166,53 +204,43 @@ class ExactSearchTooLarge(FxpoochError, ValueError):
     """The graph has more activations than the exact search accepts."""
 
 
-@dataclass
-class _Search:
-    """Depth-first branch and bound over decisions in ``order`` (see ``plan_exact``)."""
+def exact_search(problem: Problem, options: SearchOptions = SearchOptions(), work: float = math.inf) -> ExactResult:
+    """Branch and bound as ``plan_exact``, on a graph of any size, stopped once ``work`` plans have
+    been simulated and LPs solved (its seeds included): the best plan found and a proved bound.
 
-    ev: Evaluator
-    bounds: Bounds
-    order: list[int]
-    best: Candidate | None
-    stop_at: float = math.inf  # ``ev.simulations`` at which the search gives up
-    nodes: int = 0
-    stopped: bool = False
-
-    def improve(self, candidate: Candidate | None) -> None:
-        if candidate is not None and candidate.fits and (self.best is None or candidate.step_time < self.best.step_time):
-            self.best = candidate
-
-    def child_bound(self, decided: list[Decision | None]) -> float:
-        """A bound on every completion of ``decided``; infinite when none can be realised or fit."""
-        keep = [Decision.KEEP if d is None else d for d in decided]
-        if not all(self.ev.can_recompute(a, keep) for a, d in enumerate(decided) if d is Decision.RECOMPUTE):
-            return math.inf  # chains only grow as more is recomputed
-        out = self.bounds.bound(decided)
-        if out < math.inf and self.bounds.keep_completion_is_bound(decided):
-            out = max(out, self.ev.unconstrained_time(keep))
-        return out
-
-    def visit(self, decided: list[Decision | None], depth: int) -> None:
-        self.nodes += 1
-        if self.stopped or self.ev.simulations >= self.stop_at:
-            self.stopped = True
-            return
-        if depth == len(self.order):
-            self.improve(self.ev.evaluate(decided))
-            return
-        a = self.order[depth]
-        children = []
-        for d in Decision:
-            if d is Decision.SWAP and not self.ev.graph.activations[a].swappable:
-                continue
-            decided[a] = d
-            children.append((self.child_bound(decided), d is not Decision.KEEP, d))
-        for lb, _, d in sorted(children):
-            if lb == math.inf or (self.best is not None and lb >= self.best.step_time):
-                break
-            decided[a] = d
-            self.visit(decided, depth + 1)
-        decided[a] = None
+    Seeds: PoocH's plan and the reference plans improved by local search, and (with
+    ``options.lp_bounds``) the MILP's point improved the same way; the MILP's dual bound joins
+    the root's. Best first, so the proved bound rises as fast as the bounds allow. Deterministic:
+    the budget counts simulations and solves, not seconds. Where it runs out the result is not
+    an optimum (``proved`` is False) but ``bound`` is still a lower bound on every fitting plan's
+    step time, so ``best`` is within ``gap`` of the optimum."""
+    ev = Evaluator(problem)
+    local_budget = simulation_budget(problem.graph, options.work, options.max_simulations)
+    try:
+        seed = local_search(ev, seeds(ev, "exact"), local_budget)
+    except InfeasibleMemoryLimit:
+        seed = None
+    bounds = Bounds(ev)
+    root = bounds.bound()
+    search = BranchAndBound(ev, bounds, seed)
+    fixed = None
+    if (options.lp_bounds or options.milp_nodes) and root < math.inf:
+        try:
+            fixed = FixedBound(bounds)
+        except ImportError:
+            log.info("scipy is not installed: the exact search prunes with the cut bounds only")
+    if fixed is not None and options.milp_nodes:
+        milp_bound, point = fixed.milp([None] * len(problem.graph.activations), options.milp_nodes)
+        root = max(root, milp_bound)
+        start = None if point is None else ev.evaluate(point)
+        if start is not None and start.fits:
+            search.improve(local_search(ev, start, local_budget))
+    search.fixed = fixed if options.lp_bounds else None
+    out = search.run(work, best_first=True, root_bound=root)
+    log.info("exact: %d activations, %d nodes, work %d, step %.4g s, bound %.4g s%s",
+             len(problem.graph.activations), out.nodes, out.work,
+             math.inf if out.best is None else out.best.step_time, out.bound, "" if out.proved else " (stopped)")
+    return out
 
 
 def plan_exact(problem: Problem, options: SearchOptions = SearchOptions()) -> Candidate:
@@ -223,33 +251,18 @@ def plan_exact(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     bound on its completions (``Bounds.bound``, and the keep completion where it is a bound,
     see fxpooch.planners.bounds) is no better than the best plan found, which starts as the
     plan of PoocH improved by local search. Ties keep the first plan found, so the result is an optimum, not
-    necessarily the same vector as exhaustive enumeration would return.
+    necessarily the same vector as exhaustive enumeration would return. Larger graphs:
+    :func:`exact_search` with a budget.
     """
     n = len(problem.graph.activations)
     if n > options.max_exact:
         raise ExactSearchTooLarge(
             f"exact search over {n} activations may need up to 3**{n} simulations; it accepts at most "
             f"{options.max_exact} (SearchOptions.max_exact). Use the 'local' planner, and "
+            f"fxpooch.planners.search.exact_search with a budget (a plan and a proved bound) or "
             f"fxpooch.planners.bounds.lower_bound for how far it can be from the optimum.")
-    ev = Evaluator(problem)
-    try:
-        seed = local_search(ev, seeds(ev, "exact"),
-                            simulation_budget(problem.graph, options.work, options.max_simulations))
-    except InfeasibleMemoryLimit:
-        seed = None
-    search = _branch_and_bound(ev, seed)
-    log.info("exact: %d activations, %d nodes, %d evaluations, step %.4g s", n, search.nodes, ev.evaluations,
-             math.inf if search.best is None else search.best.step_time)
-    return require_fit(ev, search.best, "exact")
-
-
-def _branch_and_bound(ev: Evaluator, seed: Candidate | None, stop_at: float = math.inf) -> _Search:
-    acts = ev.graph.activations
-    nbytes = [ev.graph.buffers[act.buffer].nbytes for act in acts]
-    order = sorted(range(len(acts)), key=lambda a: (-nbytes[a], max(acts[a].members)))
-    search = _Search(ev, Bounds(ev), order, seed, stop_at)
-    search.visit([None] * len(acts), 0)
-    return search
+    out = exact_search(problem, options)
+    return require_fit(Evaluator(problem), out.best, "exact")
 
 
 @register("local")
