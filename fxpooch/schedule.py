@@ -186,9 +186,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
 
     # instances: original copies first (id = buffer id), then swapped-in and recomputed copies
     buffers = graph.buffers
-    inst_bytes = [b.nbytes for b in buffers]
-    inst_buf = list(range(len(buffers)))
-    persistent = [b.kind is BufferKind.OUTPUT for b in buffers]
+    inst_bytes, inst_buf, persistent = (list(column) for column in _per_graph(graph, _buffer_columns))
 
     def copy_of(buf: int, nbytes: int) -> int:
         inst_bytes.append(nbytes)
@@ -291,18 +289,34 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
     )
 
 
-_FORWARD_RUNS: dict[int, tuple[weakref.ref, dict[int, Instr]]] = {}
+_PER_GRAPH: dict[int, tuple[weakref.ref, dict[Callable, object]]] = {}
+
+
+def _per_graph(graph: StepGraph, make: Callable[[StepGraph], object]):
+    """``make(graph)``, computed once per graph: what every schedule of ``graph`` shares."""
+    cached = _PER_GRAPH.get(id(graph))
+    if cached is None or cached[0]() is not graph:
+        cached = _PER_GRAPH[id(graph)] = (weakref.ref(graph, lambda _, key=id(graph): _PER_GRAPH.pop(key, None)), {})
+    values = cached[1]
+    if make not in values:
+        values[make] = make(graph)
+    return values[make]
 
 
 def _forward_runs(graph: StepGraph) -> dict[int, Instr]:
     """The RUN instruction of each forward op: the same in every schedule of ``graph``."""
-    cached = _FORWARD_RUNS.get(id(graph))
-    if cached is None or cached[0]() is not graph:
-        runs = {op: Instr(Kind.RUN, op, -1, graph.dynamic_allocs[op], graph.read_buffers[op])
-                for start, stop in graph.forward_range for op in range(start, stop)}
-        cached = _FORWARD_RUNS[id(graph)] = (weakref.ref(graph, lambda _, key=id(graph): _FORWARD_RUNS.pop(key, None)),
-                                             runs)
-    return cached[1]
+    return _per_graph(graph, _make_forward_runs)
+
+
+def _make_forward_runs(graph: StepGraph) -> dict[int, Instr]:
+    return {op: Instr(Kind.RUN, op, -1, graph.dynamic_allocs[op], graph.read_buffers[op])
+            for start, stop in graph.forward_range for op in range(start, stop)}
+
+
+def _buffer_columns(graph: StepGraph) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
+    """Per buffer: the bytes, buffer id and persistence of its original instance."""
+    return (tuple(b.nbytes for b in graph.buffers), tuple(range(len(graph.buffers))),
+            tuple(b.kind is BufferKind.OUTPUT for b in graph.buffers))
 
 
 def move_prefetches(schedule: Schedule, prefetch_before: Sequence[OpId]) -> Schedule:

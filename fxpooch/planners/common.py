@@ -158,11 +158,18 @@ class Evaluator:
             positions = place_prefetches(self.graph, jit, self.budget)
             if positions != list(jit.prefetch_before):
                 early_c = self._judge(move_prefetches(jit, positions))
-                if early_c.fits:
+                if early_c.fits or not self.may_fit(jit):
                     return early_c
                 jit_c = self._judge(jit)
                 return jit_c if jit_c.fits else early_c
         return self._judge(jit)
+
+    def may_fit(self, schedule: Schedule) -> bool:
+        """False when ``schedule`` cannot fit: its program-order peak is over the limit already
+        (the simulated peak is never below it: frees happen no earlier than in program order),
+        so judging it is not needed."""
+        mem = static_memory(schedule)
+        return self.graph.resident_bytes + max(int(mem.max()) if len(mem) else 0, 0) <= self.problem.mem_limit
 
     def _judge(self, schedule: Schedule) -> Candidate:
         tl = simulate(self.graph, schedule, self.problem.costs, self.problem.mem_limit)
