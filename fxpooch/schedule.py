@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from .graph import BufferKind, Phase, StepGraph
 from .types import ActivationId, BufferId, InstanceId, OpId
 
@@ -198,9 +200,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
 
     # instances: original copies first (id = buffer id), then swapped-in and recomputed copies
     buffers = graph.buffers
-    inst_bytes = [b.nbytes for b in buffers]
-    inst_buf = list(range(len(buffers)))
-    persistent = [b.kind is BufferKind.OUTPUT for b in buffers]
+    inst_bytes, inst_buf, persistent = (list(column) for column in _per_graph(graph, _buffer_columns))
 
     def copy_of(buf: int, nbytes: int) -> int:
         inst_bytes.append(nbytes)
@@ -303,24 +303,44 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
     )
 
 
-_FORWARD_RUNS: dict[int, tuple[weakref.ref, dict[int, Instr]]] = {}
+_PER_GRAPH: dict[int, tuple[weakref.ref, dict[Callable, object]]] = {}
+
+
+def _per_graph(graph: StepGraph, make: Callable[[StepGraph], object]):
+    """``make(graph)``, computed once per graph: what every schedule of ``graph`` shares."""
+    cached = _PER_GRAPH.get(id(graph))
+    if cached is None or cached[0]() is not graph:
+        cached = _PER_GRAPH[id(graph)] = (weakref.ref(graph, lambda _, key=id(graph): _PER_GRAPH.pop(key, None)), {})
+    values = cached[1]
+    if make not in values:
+        values[make] = make(graph)
+    return values[make]
 
 
 def _forward_runs(graph: StepGraph) -> dict[int, Instr]:
     """The RUN instruction of each forward op: the same in every schedule of ``graph``."""
-    cached = _FORWARD_RUNS.get(id(graph))
-    if cached is None or cached[0]() is not graph:
-        runs = {op: Instr(Kind.RUN, op, -1, graph.dynamic_allocs[op], graph.read_buffers[op])
-                for start, stop in graph.forward_range for op in range(start, stop)}
-        cached = _FORWARD_RUNS[id(graph)] = (weakref.ref(graph, lambda _, key=id(graph): _FORWARD_RUNS.pop(key, None)),
-                                             runs)
-    return cached[1]
+    return _per_graph(graph, _make_forward_runs)
+
+
+def _make_forward_runs(graph: StepGraph) -> dict[int, Instr]:
+    return {op: Instr(Kind.RUN, op, -1, graph.dynamic_allocs[op], graph.read_buffers[op])
+            for start, stop in graph.forward_range for op in range(start, stop)}
+
+
+def _buffer_columns(graph: StepGraph) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
+    """Per buffer: the bytes, buffer id and persistence of its original instance."""
+    return (tuple(b.nbytes for b in graph.buffers), tuple(range(len(graph.buffers))),
+            tuple(b.kind is BufferKind.OUTPUT for b in graph.buffers))
 
 
 def move_prefetches(schedule: Schedule, prefetch_before: Sequence[OpId]) -> Schedule:
     """``schedule`` with each swap-in issued before ``prefetch_before[a]`` instead (not later
     than its first use): what :func:`build_schedule` lays out for those positions, without
-    laying out the rest of the step again."""
+    laying out the rest of the step again.
+
+    A swap-in issued before a backward op goes just before that op's group (what runs just for
+    it: its waits, recomputes and run); the other instructions keep their order.
+    """
     old = schedule.prefetch_before
     first_use = schedule.first_use
     target = [p if 0 <= p <= first_use.get(a, -1) else old[a] for a, p in enumerate(prefetch_before)]
@@ -329,26 +349,53 @@ def move_prefetches(schedule: Schedule, prefetch_before: Sequence[OpId]) -> Sche
     for a in sorted((a for a, t in enumerate(target) if t >= 0), key=lambda a: first_use[a]):
         at.setdefault(target[a], []).append(a)
     instrs = schedule.instrs
-    prefetch_index = {ins.act: i for i, ins in enumerate(instrs) if ins.kind is Kind.PREFETCH}
-    new_index = [0] * len(instrs)
-    out: list[Instr] = []
-    group: list[int] = []  # a backward op's waits, recomputes and run (a forward op's run; an offload)
-    PREFETCH, RUN, OFFLOAD = Kind.PREFETCH, Kind.RUN, Kind.OFFLOAD
-    for i, (kind, op, *_) in enumerate(instrs):
-        if kind is not PREFETCH:
-            group.append(i)
-        if kind is not RUN and kind is not OFFLOAD:
-            continue
-        for a in at.get(op, ()) if kind is RUN else ():
-            new_index[prefetch_index[a]] = len(out)
-            out.append(instrs[prefetch_index[a]])
-        for j in group:
-            new_index[j] = len(out)
-            out.append(instrs[j])
-        group = []
-    for j in group:  # a step whose forward has no backward after it ends on its offloads
-        new_index[j] = len(out)
-        out.append(instrs[j])
+    n = len(instrs)
+    new_index = _moved_order(instrs, at)
+    out = [None] * int(new_index.max() + 1 if n else 0)
+    for i, j in enumerate(new_index.tolist()):
+        if j >= 0:
+            out[j] = instrs[i]
+
+    def remap(indices: tuple[int, ...]) -> tuple[int, ...]:
+        x = np.asarray(indices, dtype=np.int64)
+        return tuple(np.where(x >= 0, new_index[x], -1).tolist()) if len(x) else ()
+
     return dataclasses.replace(schedule, prefetch_before=tuple(target), instrs=tuple(out),
-                               last_reader=tuple(new_index[i] if i >= 0 else -1 for i in schedule.last_reader),
-                               first_alloc=tuple(new_index[i] if i >= 0 else -1 for i in schedule.first_alloc))
+                               last_reader=remap(schedule.last_reader), first_alloc=remap(schedule.first_alloc))
+
+
+def _moved_order(instrs: tuple[Instr, ...], at: dict[int, list[int]]) -> np.ndarray:
+    """Per instruction: its index once the prefetches of ``at[op]`` (activations, in order) are
+    issued just before backward op ``op``'s group; -1 for a prefetch of no ``at`` list.
+
+    A group is the non-prefetch instructions since the last RUN or OFFLOAD, up to and including
+    the RUN that closes it (an offload follows its producer's run and belongs to no later group).
+    """
+    n = len(instrs)
+    PREFETCH, RUN, OFFLOAD = Kind.PREFETCH, Kind.RUN, Kind.OFFLOAD
+    kinds = [ins[0] for ins in instrs]
+    is_prefetch = np.fromiter((k is PREFETCH for k in kinds), dtype=bool, count=n)
+    closes = np.fromiter((k is RUN or k is OFFLOAD for k in kinds), dtype=bool, count=n)
+    positions = np.arange(n, dtype=np.int64)
+    last_close = np.maximum.accumulate(np.where(closes, positions, -1)) if n else positions
+    next_kept = np.minimum.accumulate(np.where(is_prefetch, n, positions)[::-1])[::-1]
+    prefetch_of = {instrs[i][2]: i for i in np.flatnonzero(is_prefetch).tolist()}
+    run_of = {instrs[i][1]: i for i in np.flatnonzero(closes).tolist() if kinds[i] is RUN and instrs[i][1] in at}
+    kept = np.flatnonzero(~is_prefetch)
+    moved, primary, secondary = [], [], []
+    for op, acts in at.items():
+        if op not in run_of:
+            continue
+        r = run_of[op]
+        group_start = int(next_kept[last_close[r - 1] + 1]) if r > 0 else int(next_kept[0])
+        for rank, a in enumerate(acts):
+            moved.append(prefetch_of[a])
+            primary.append(2 * group_start)
+            secondary.append(rank)
+    items = np.concatenate((kept, np.asarray(moved, dtype=np.int64)))
+    keys = np.concatenate((2 * kept + 1, np.asarray(primary, dtype=np.int64)))
+    ranks = np.concatenate((np.zeros(len(kept), dtype=np.int64), np.asarray(secondary, dtype=np.int64)))
+    order = items[np.lexsort((ranks, keys))]
+    new_index = np.full(n, -1, dtype=np.int64)
+    new_index[order] = np.arange(len(order), dtype=np.int64)
+    return new_index

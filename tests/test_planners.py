@@ -353,3 +353,34 @@ def test_moving_prefetches_lays_out_what_building_does():
             assert move_prefetches(jit, positions) == build_schedule(graph, decisions, positions)
             checked += 1
     assert checked > 1000
+
+
+# --------------------------------------------------------------------------- plans over the limit
+@pytest.mark.parametrize("fraction", [0.5, 0.7, 0.9])
+def test_a_plan_over_the_limit_reads_as_if_simulated(fraction, monkeypatch):
+    """The evaluator leaves a plan whose program-order peak is over the limit unsimulated
+    (``Unjudged``) until its schedule or timeline is read: every field then equals what the
+    evaluator computes when it simulates every plan, and the simulated peak is over the limit."""
+    import itertools
+
+    from fxpooch.planners.common import Unjudged
+
+    graph, costs = _mixed()
+    limit = int(fraction * _in_core_peak())
+    lazy = evaluator(graph, costs, limit)
+    eager = evaluator(graph, costs, limit)
+    monkeypatch.setattr(eager, "may_fit", lambda schedule: True)
+    unjudged = 0
+    for decisions in itertools.product((K, S, R), repeat=len(graph.activations)):
+        for share in (True, False):
+            c, ref = lazy.evaluate(decisions, share=share), eager.evaluate(decisions, share=share)
+            if ref is None:
+                assert c is None
+                continue
+            if isinstance(c, Unjudged):
+                unjudged += 1
+                assert not c.fits and c.decisions == ref.decisions and c.shared == ref.shared
+                assert ref.timeline.peak_bytes > limit
+            assert (c.schedule, c.timeline, c.fits, c.step_time) == (ref.schedule, ref.timeline, ref.fits, ref.step_time)
+    assert unjudged > 10
+    assert lazy.evaluations == eager.evaluations

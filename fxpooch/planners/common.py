@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,45 @@ class Candidate:
     @property
     def step_time(self) -> float:
         return self.timeline.step_time
+
+    @property
+    def shared(self) -> bool:
+        """Does the schedule recompute shared segments once (see :func:`build_schedule`)?"""
+        return self.schedule.shared
+
+
+class Unjudged(Candidate):
+    """A plan that cannot fit, simulated only when its schedule or timeline is first read.
+
+    Most plans a search tries near the floor are over the limit in program order already; their
+    decisions and ``fits`` (False) are all a search reads of them. ``judge`` returns the
+    candidate the evaluator would have made, so reading one gives the same values.
+    """
+
+    def __init__(self, decisions: tuple[Decision, ...], shared: bool, judge: Callable[[], Candidate]):
+        object.__setattr__(self, "fits", False)
+        object.__setattr__(self, "_facts", (decisions, shared))
+        object.__setattr__(self, "_judge", judge)
+
+    @functools.cached_property
+    def judged(self) -> Candidate:
+        return self._judge()
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.judged.schedule
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.judged.timeline
+
+    @property
+    def decisions(self) -> tuple[Decision, ...]:
+        return self._facts[0]
+
+    @property
+    def shared(self) -> bool:
+        return self._facts[1]
 
 
 def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
@@ -138,7 +178,7 @@ class Evaluator:
             return self._cache[key]
         if share is None:
             candidate = self.evaluate(decisions, early_prefetch, True)
-            if candidate is not None and not candidate.fits and candidate.schedule.shared:
+            if candidate is not None and not candidate.fits and candidate.shared:
                 alone = self.evaluate(decisions, early_prefetch, False)
                 candidate = alone if alone is not None and alone.fits else candidate
         else:
@@ -154,15 +194,29 @@ class Evaluator:
         except NotRecomputable:
             return None
         self.evaluations += 1
-        if early and any(d is Decision.SWAP for d in decisions):
+        if not self.may_fit(jit):  # early prefetches only raise the program-order peak: nothing fits
+            return Unjudged(decisions, jit.shared, lambda: self._judged(jit, early))
+        return self._judged(jit, early)
+
+    def _judged(self, jit: Schedule, early: bool) -> Candidate:
+        """The simulated candidate of ``jit``'s decisions: with ``early``, prefetches placed as
+        early as memory allows where that fits, else just in time where that fits."""
+        if early and any(d is Decision.SWAP for d in jit.decisions):
             positions = place_prefetches(self.graph, jit, self.budget)
             if positions != list(jit.prefetch_before):
                 early_c = self._judge(move_prefetches(jit, positions))
-                if early_c.fits:
+                if early_c.fits or not self.may_fit(jit):
                     return early_c
                 jit_c = self._judge(jit)
                 return jit_c if jit_c.fits else early_c
         return self._judge(jit)
+
+    def may_fit(self, schedule: Schedule) -> bool:
+        """False when ``schedule`` cannot fit: its program-order peak is over the limit already
+        (the simulated peak is never below it: frees happen no earlier than in program order),
+        so judging it is not needed."""
+        mem = static_memory(schedule)
+        return self.graph.resident_bytes + max(int(mem.max()) if len(mem) else 0, 0) <= self.problem.mem_limit
 
     def _judge(self, schedule: Schedule) -> Candidate:
         tl = simulate(self.graph, schedule, self.problem.costs, self.problem.mem_limit)
