@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .inputs import KINETICS_CLASSES, RGB
+from .vision import bottleneck_forward, bottleneck_layers
 
 
 # ============================================================================ 3D ResNeXt
@@ -21,22 +22,11 @@ class ResNeXtBottleneck3d(nn.Module):
     def __init__(self, inplanes: int, planes: int, mid: int, cardinality: int, stride: int = 1,
                  downsample: nn.Module | None = None) -> None:
         super().__init__()
-        self.conv1 = nn.Conv3d(inplanes, mid, kernel_size=1, bias=False)
-        self.bn1 = nn.BatchNorm3d(mid)
-        self.conv2 = nn.Conv3d(mid, mid, kernel_size=3, stride=stride, padding=1,
-                               groups=cardinality, bias=False)
-        self.bn2 = nn.BatchNorm3d(mid)
-        self.conv3 = nn.Conv3d(mid, planes * self.expansion, kernel_size=1, bias=False)
-        self.bn3 = nn.BatchNorm3d(planes * self.expansion)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = downsample
+        bottleneck_layers(self, nn.Conv3d, nn.BatchNorm3d, inplanes, mid, planes * self.expansion, stride, cardinality,
+                          downsample)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        return self.relu(out + identity)
+        return bottleneck_forward(self, x)
 
 
 class ResNeXt3d(nn.Module):

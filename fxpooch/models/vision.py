@@ -10,6 +10,29 @@ from .inputs import IMAGENET_CLASSES, RGB
 
 
 # ============================================================================ ResNet (2D)
+def bottleneck_layers(block: nn.Module, conv: type[nn.Module], norm: type[nn.Module], inplanes: int, width: int,
+                      out: int, stride: int, groups: int, downsample: nn.Module | None) -> None:
+    """A bottleneck's layers on ``block``: 1x1 ``conv`` to ``width``, grouped 3x3 (``stride``), 1x1 to
+    ``out``, each followed by ``norm``; the 2D and the 3D blocks differ only in ``conv`` and ``norm``."""
+    block.conv1 = conv(inplanes, width, kernel_size=1, bias=False)
+    block.bn1 = norm(width)
+    block.conv2 = conv(width, width, kernel_size=3, stride=stride, padding=1, groups=groups, bias=False)
+    block.bn2 = norm(width)
+    block.conv3 = conv(width, out, kernel_size=1, bias=False)
+    block.bn3 = norm(out)
+    block.relu = nn.ReLU(inplace=True)
+    block.downsample = downsample
+
+
+def bottleneck_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """conv-norm-relu twice, conv-norm, plus the (downsampled) input, relu."""
+    identity = x if block.downsample is None else block.downsample(x)
+    out = block.relu(block.bn1(block.conv1(x)))
+    out = block.relu(block.bn2(block.conv2(out)))
+    out = block.bn3(block.conv3(out))
+    return block.relu(out + identity)
+
+
 class Bottleneck(nn.Module):
     """torchvision ResNet v1.5 bottleneck (stride on the 3x3 conv), expansion 4."""
 
@@ -20,22 +43,11 @@ class Bottleneck(nn.Module):
                  base_width: int = 64) -> None:
         super().__init__()
         width = int(planes * (base_width / 64.0)) * groups  # torchvision's formula
-        self.conv1 = nn.Conv2d(inplanes, width, kernel_size=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, kernel_size=3, stride=stride, padding=1,
-                               groups=groups, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.conv3 = nn.Conv2d(width, planes * self.expansion, kernel_size=1, bias=False)
-        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = downsample
+        bottleneck_layers(self, nn.Conv2d, nn.BatchNorm2d, inplanes, width, planes * self.expansion, stride, groups,
+                          downsample)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        return self.relu(out + identity)
+        return bottleneck_forward(self, x)
 
 
 class ResNet(nn.Module):
