@@ -1,6 +1,7 @@
 """``fxpooch.compile``: capture -> profile -> plan -> rewrite -> run, one plan per input shape."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import weakref
@@ -12,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from . import _torch_compat as compat
-from . import distributed, fsdp
+from . import distributed, fsdp, peakcheck
 from .capture import GraphPair, Recorder, StepSnapshot, UnplannedGraph
 from .codegen import compile_pair, decompositions
 from .debug import dump_graphs
@@ -96,6 +97,8 @@ class CompiledModule(nn.Module):
         self._current: _Planned | None = None
         #: plans made after the first one (a new input shape, train/eval switch, or graph dynamo recompiled)
         self.replans = 0
+        #: bytes kept free beyond the margin in later plans: what the first compiled step measured above its plan
+        self._kept_free = 0
         self._pending: tuple[GraphPair, int, list[weakref.ref]] | None = None
         limit = options.host_pool_limit
         self.host_pool = HostPool() if limit is None else HostPool(limit_bytes=parse_bytes(limit, "host_pool_limit"))
@@ -179,10 +182,50 @@ class CompiledModule(nn.Module):
         return _modes(self.model), _signature(args, kwargs), grads, _autocast_state()
 
     def _prepare(self, args: tuple, kwargs: dict) -> None:
-        """Plan (or find the plan of) a step with these inputs and bind it, without running it."""
-        planned = self._replan(args, kwargs, "compile")
+        """Plan (or find the plan of) a step with these inputs and bind it; with inductor, check the
+        compiled step's measured peak (:mod:`fxpooch.peakcheck`)."""
+        planned = self._checked(self._replan(args, kwargs, "compile"), args, kwargs)
         self._predicted[self._seen_as(args, kwargs, planned.grads)] = planned.key
         self._use(planned)
+
+    def _checked(self, planned: _Planned, args: tuple, kwargs: dict) -> _Planned:
+        """``planned``, or a plan made again under a tighter limit, whose compiled step measured within
+        the limit on these inputs (inductor only; see :attr:`CompileOptions.peak_check_rounds`)."""
+        rounds = self.options.peak_check_rounds
+        device = step_device(self.model, args, kwargs)
+        if self.options.codegen != "inductor" or not rounds or device.type not in ("cpu", "cuda"):
+            return planned
+        if self._wrapper is not None or self._sharded is not None:
+            log.info("the compiled step's peak is not measured inside a DDP or FSDP wrapper (it runs there, "
+                     "with its hooks and buckets, only in the caller's step)")
+            return planned
+        variants = {id(planned.plan): planned}
+
+        def measure(plan: Plan) -> int:
+            candidate = variants.setdefault(id(plan), dataclasses.replace(planned, plan=plan, rewritten=None))
+            self._use(candidate)
+
+            def step() -> None:
+                with compat.dynamo_limits(), self._recorder.running_plan(candidate.pairs):
+                    outputs = [self._compiled(*args, **kwargs)]
+                peakcheck.run_backward(outputs, self.options.outputs_held)
+
+            return peakcheck.step_peak(self.model, (args, kwargs), device, step) + plan.graph.resident_bytes
+
+        margin = self.options.margin_for(device)
+        try:
+            found = peakcheck.fit_measured(planned.plan, measure, rounds=rounds, planner=self.options.planner,
+                                           margin=margin)
+        except UnplannedGraph as e:  # dynamo compiled another graph: the step is checked no further
+            log.warning("the compiled step's peak was not measured: %s", e.cause)
+            self._use(planned)
+            return planned
+        chosen = variants[id(found.plan)]
+        self._use(chosen)
+        self._kept_free = found.plan.margin_bytes - margin.of(found.plan.mem_limit)
+        self.host_pool.check_plan(chosen.plan.host_bytes)
+        self._plans[chosen.key] = chosen
+        return chosen
 
     def _check_sharding_unchanged(self) -> None:
         """fully_shard applied after compile (to the model or to this module) would not be counted."""
@@ -254,18 +297,23 @@ class CompiledModule(nn.Module):
             log.warning("planning again, with a new capture and profile (%d plans so far, compiled.replans = %d): "
                         "%s. Inputs of many different shapes, e.g. variable-length batches, should be padded to "
                         "a few fixed shapes", len(self._plans), self.replans, cause)
-        planned = _Planned.of(_profile_and_plan(step, self.mem_limit, self.options), step, self.options.codegen)
+        plan = _profile_and_plan(step, self.mem_limit, self.options, self._kept_free)
+        planned = _Planned.of(plan, step, self.options.codegen)
         self.host_pool.check_plan(planned.plan.host_bytes)
         self._plans[planned.key] = planned
         return planned
 
 
-def _profile_and_plan(step: TracedStep, mem_limit: int | InCoreShare, options: CompileOptions) -> Plan:
-    """Steps 2 and 3 of the pipeline for a traced step (Step 1: :func:`~fxpooch.pipeline.trace_step`)."""
+def _profile_and_plan(step: TracedStep, mem_limit: int | InCoreShare, options: CompileOptions,
+                      kept_free: int = 0) -> Plan:
+    """Steps 2 and 3 of the pipeline for a traced step (Step 1: :func:`~fxpooch.pipeline.trace_step`);
+    ``kept_free``: bytes kept free beyond the options' margin (what a compiled step measured above
+    its plan)."""
     share = mem_limit if isinstance(mem_limit, InCoreShare) else None
     if share is not None:  # "60%": of this step's in-core peak
         mem_limit = share.of(in_core_peak_bytes(step.graph))
     margin = options.margin_for(step.device)
+    margin = Margin(margin.share, margin.nbytes + kept_free)
     # Step 2, profile: seconds per op (measured under the limit less the margin, or analytic)
     profile = profile_step(step, options.profile_source, hardware=options.hardware, link=options.link,
                            mode=options.profile_mode, mem_limit=mem_limit - margin.of(mem_limit),
@@ -368,7 +416,7 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
             profile: str | Profile | os.PathLike = "measure", hardware: str | Hardware | None = None,
             link: Link | None = None, profile_mode: str = "auto", margin: Margin | int | str | None = None,
             host_pool_limit: int | str | None = None, max_plans: int = 8, outputs_held: bool = True,
-            codegen: str = "fx") -> CompiledModule:
+            codegen: str = "fx", peak_check_rounds: int = 3) -> CompiledModule:
     """Plan ``model``'s training step to fit ``mem_limit`` and return a module that runs that plan.
 
     ``mem_limit``: bytes (an int, ``"16GiB"``, ``"16GB"``, ``"16G"`` = 16 GiB), ``"60%"`` (of the
@@ -380,13 +428,14 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
     in-core step fits, else each node alone. The returned module's backward puts gradients on
     ``model``'s parameters. ``codegen``: "fx" runs the rewritten graphs op by op, "inductor"
     compiles them (:mod:`fxpooch.codegen`). ``profile_mode``, ``margin``, ``host_pool_limit``,
-    ``max_plans`` and ``outputs_held`` (False when the caller drops the outputs before calling
+    ``max_plans``, ``peak_check_rounds`` (inductor: the compiled step's measured peak checked, the plan
+    made again at most so many times while above the limit) and ``outputs_held`` (False when the caller drops the outputs before calling
     backward): see :class:`CompileOptions`.
     """
     limit, args, kwargs = _check_call(model, example_input, mem_limit, planner, hardware)
     options = CompileOptions(planner=planner, profile=profile, hardware=hardware, link=link, profile_mode=profile_mode,
                              margin=margin, host_pool_limit=host_pool_limit, max_plans=max_plans,
-                             outputs_held=outputs_held, codegen=codegen)
+                             outputs_held=outputs_held, codegen=codegen, peak_check_rounds=peak_check_rounds)
     wrapper = distributed.ddp_of(model)
     compiled = CompiledModule(model if wrapper is None else wrapper.module, limit, options)
     compiled._wrapper = wrapper  # it runs inside the wrapper's forward: its plans count the wrapper's buckets

@@ -26,7 +26,7 @@ class InfeasibleMemoryLimit(FxpoochError, ValueError):
     """
 
     def __init__(self, mem_limit: int, min_feasible_bytes: int, live: Sequence[tuple[str, int]] = (),
-                 planner: str = "pooch", margin_bytes: int = 0):
+                 planner: str = "pooch", margin_bytes: int = 0, note: str = ""):
         self.mem_limit = mem_limit
         self.min_feasible_bytes = min_feasible_bytes
         self.live = tuple(live)
@@ -41,6 +41,8 @@ class InfeasibleMemoryLimit(FxpoochError, ValueError):
         if margin_bytes:
             msg += (f" Both limits include the allocator margin kept free under them ({format_bytes(margin_bytes)} "
                     "at this limit; the margin option of compile sets it).")
+        if note:
+            msg += f" {note}"
         if top:
             msg += f" Live at the floor's peak: {top}."
         super().__init__(msg)

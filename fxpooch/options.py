@@ -55,8 +55,11 @@ class CompileOptions:
     drops them before calling backward (False, e.g. ``model(ids, labels=ids).loss.backward()``, where
     the logits come back next to the loss: each is planned until the forward returns; autograd's zero
     gradient for it is planned either way). ``codegen``: how the rewritten graphs run, "fx" (op by
-    op) or "inductor" (compiled; see :mod:`fxpooch.codegen`). A bad planner, hardware preset,
-    ``margin``, ``host_pool_limit``, ``max_plans``, ``codegen`` or profile path is reported here,
+    op) or "inductor" (compiled; see :mod:`fxpooch.codegen`). ``peak_check_rounds`` (inductor only):
+    the compiled plan runs one step on the example inputs and its measured peak is checked against
+    the limit; above it, the plan is made again with the excess kept free, at most this many times
+    (:mod:`fxpooch.peakcheck`); 0 skips the check. A bad planner, hardware preset,
+    ``margin``, ``host_pool_limit``, ``max_plans``, ``codegen``, ``peak_check_rounds`` or profile path is reported here,
     before anything runs.
     """
 
@@ -70,6 +73,7 @@ class CompileOptions:
     max_plans: int = 8
     outputs_held: bool = True
     codegen: str = "fx"
+    peak_check_rounds: int = 3
     #: ``profile`` resolved: "analytic", "measure" or a Profile
     profile_source: str | Profile = field(init=False, repr=False, compare=False)
 
@@ -84,6 +88,10 @@ class CompileOptions:
             parse_bytes(self.host_pool_limit, "host_pool_limit")
         if isinstance(self.max_plans, bool) or not isinstance(self.max_plans, int) or self.max_plans < 1:
             raise InvalidOption(f"max_plans={self.max_plans!r}: pass a whole number of plans, at least 1")
+        if isinstance(self.peak_check_rounds, bool) or not isinstance(self.peak_check_rounds, int) \
+                or self.peak_check_rounds < 0:
+            raise InvalidOption(f"peak_check_rounds={self.peak_check_rounds!r}: pass a whole number of plans made "
+                                "again after the measured peak, 0 or more (0: no check)")
         if not isinstance(self.outputs_held, bool):
             raise InvalidOption(f"outputs_held={self.outputs_held!r}: pass True (the caller holds the outputs "
                                 "through the backward) or False (it drops them before calling backward)")

@@ -1,0 +1,138 @@
+"""The measured peak of a compiled plan (``fxpooch.peakcheck``): inductor's code for a small conv net
+takes more memory than the plan counts (channels-last layouts and weight copies no graph node has);
+the check re-plans until the step, measured by the profiler's allocator events, fits the limit."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fxpooch
+from fxpooch.memory import Margin
+from fxpooch.peakcheck import fit_measured
+from memprofile import step_peak
+
+MiB = 2**20
+#: fxpooch + inductor against torch.compile's inductor: the same kernels, a swapped activation's host
+#: copy keeps the traced layout, so a weight gradient may be summed in another order (observed 1e-5)
+INDUCTOR_TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+class ConvNet(nn.Module):
+    """A bottleneck without its shortcut, the loss inside: 1 MiB activations (256 channels of 8x8 at
+    batch 16) and a 2.25 MiB 3x3 weight, which inductor relays channels-last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(64, 256, 1, bias=False), nn.BatchNorm2d(256), nn.ReLU(),
+                                  nn.Conv2d(256, 256, 3, padding=1, bias=False), nn.BatchNorm2d(256), nn.ReLU(),
+                                  nn.Conv2d(256, 64, 1, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).square().mean()
+
+
+def conv_net() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    return ConvNet().train(), torch.randn(16, 64, 8, 8)
+
+
+def measured(cm: fxpooch.CompiledModule, x: torch.Tensor) -> int:
+    """The second step's peak (the first fills the host pool), resident bytes included."""
+    peaks = []
+    for _ in range(2):
+        cm.model.zero_grad(set_to_none=True)
+        peaks.append(cm.plan.graph.resident_bytes + step_peak(lambda: cm(x).backward()))
+    return peaks[1]
+
+
+LIMIT = 15 * MiB  # above the in-core plan (11.2 MiB), below what its compiled step takes (15.7 MiB)
+
+
+def test_inductor_step_fits_the_limit_once_its_measured_peak_is_checked():
+    model, x = conv_net()
+    unchecked = fxpooch.compile(copy.deepcopy(model), x, LIMIT, codegen="inductor", peak_check_rounds=0)
+    # the premise: the compiled in-core plan takes more than it counts, above the limit
+    assert unchecked.plan.counts()["keep"] == len(unchecked.plan.decisions)
+    assert unchecked.plan.peak_bytes <= LIMIT < measured(unchecked, x)
+
+    reference, eager = copy.deepcopy(model), copy.deepcopy(model)
+    cm = fxpooch.compile(model, x, LIMIT, codegen="inductor")
+    assert cm.plan.margin_bytes > 0 and cm.plan.counts()["keep"] < len(cm.plan.decisions)
+    # the check's own steps left no trace: the buffers are as before them
+    for b, r in zip(model.buffers(), reference.buffers()):
+        torch.testing.assert_close(b, r)
+    assert all(p.grad is None for p in model.parameters())
+    assert measured(cm, x) <= LIMIT
+    for m in (reference, eager):  # as many steps as the measurement ran: BatchNorm's statistics advance alike
+        for _ in range(2):
+            m(x).backward()
+    compiled = torch.compile(reference, backend="inductor")
+    losses = []
+    for m in (cm, compiled, eager):
+        getattr(m, "model", m).zero_grad(set_to_none=True)
+        loss = m(x)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], **INDUCTOR_TOL)
+    for p, q, r in zip(model.parameters(), reference.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **INDUCTOR_TOL)
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-3, atol=1e-3)
+    for b, r in zip(model.buffers(), reference.buffers()):  # BatchNorm's running statistics, one step on
+        torch.testing.assert_close(b, r, **INDUCTOR_TOL)
+
+
+def test_a_limit_no_checked_plan_meets_names_one_that_does():
+    model, x = conv_net()
+    # the in-core plan fits 12 MiB on paper; its compiled step does not, nor does any plan with what
+    # the code took above it kept free
+    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:
+        fxpooch.compile(copy.deepcopy(model), x, 12 * MiB, codegen="inductor")
+    floor = e.value.min_feasible_bytes
+    assert floor > 12 * MiB and "more than its plan counts" in str(e.value)
+    cm = fxpooch.compile(model, x, floor, codegen="inductor")
+    assert measured(cm, x) <= floor
+
+
+def _plan_of_mlp(limit: int) -> fxpooch.Plan:
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (nn.Linear(512, 512), nn.Tanh())]
+    return fxpooch.plan(nn.Sequential(*layers), torch.randn(1024, 512), limit, hardware="v100-pcie3")
+
+
+def test_fit_measured_keeps_the_measured_excess_free_and_stops_within_its_rounds():
+    limit = 21 * MiB + MiB // 2  # the in-core peak is 21.01 MiB, the floor 19.01
+    plan = _plan_of_mlp(limit)
+    assert plan.counts()["keep"] == len(plan.decisions)
+    tried = []
+
+    def measure_over(excess: int):
+        def measure(p: fxpooch.Plan) -> int:  # the code takes ``excess`` more than every plan counts
+            tried.append(p)
+            return p.peak_bytes + excess
+        return measure
+
+    found = fit_measured(plan, measure_over(2 * MiB), rounds=2, planner="local", margin=Margin())
+    assert len(tried) == 2 and tried[0] is plan
+    assert found.plan is tried[1] and found.peak_bytes <= limit and found.plan.margin_bytes >= 2 * MiB
+    assert found.plan.mem_limit == limit and found.plan.counts()["keep"] < len(plan.decisions)
+
+    tried.clear()
+    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:  # no round left to plan again
+        fit_measured(plan, measure_over(2 * MiB), rounds=0, planner="local", margin=Margin())
+    assert len(tried) == 1 and e.value.min_feasible_bytes == plan.peak_bytes + 2 * MiB
+
+    tried.clear()
+    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:  # 3 MiB kept free leaves less than the floor
+        fit_measured(plan, measure_over(3 * MiB), rounds=2, planner="local", margin=Margin())
+    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as planned:
+        _plan_of_mlp(1)
+    floor = planned.value.min_feasible_bytes  # the planner's floor, then plus what the code takes above it
+    assert len(tried) == 1 and e.value.min_feasible_bytes == floor + 3 * MiB > limit, e.value
+
+
+def test_peak_check_rounds_is_checked():
+    with pytest.raises(fxpooch.InvalidOption, match="peak_check_rounds"):
+        fxpooch.CompileOptions(peak_check_rounds=-1)
