@@ -199,10 +199,16 @@ class CompiledModule(nn.Module):
             log.info("the compiled step's peak is not measured inside a DDP or FSDP wrapper (it runs there, "
                      "with its hooks and buckets, only in the caller's step)")
             return planned
-        variants = {id(planned.plan): planned}
+        variants = [planned]  # the plans compiled, each with its code
 
-        def measure(plan: Plan) -> int:
-            candidate = variants.setdefault(id(plan), dataclasses.replace(planned, plan=plan, rewritten=None))
+        def variant(plan: Plan) -> _Planned:
+            same = next((v for v in variants if v.plan.schedule == plan.schedule), None)
+            if same is None:
+                variants.append(same := dataclasses.replace(planned, plan=plan, rewritten=None))
+            return same if same.plan is plan else dataclasses.replace(same, plan=plan)
+
+        def measure(plan: Plan) -> tuple[int, float]:
+            candidate = variant(plan)
             self._use(candidate)
 
             def step() -> None:
@@ -210,7 +216,8 @@ class CompiledModule(nn.Module):
                     outputs = [self._compiled(*args, **kwargs)]
                 peakcheck.run_backward(outputs, self.options.outputs_held)
 
-            return peakcheck.step_peak(self.model, (args, kwargs), device, step) + plan.graph.resident_bytes
+            peak, seconds = peakcheck.measure_step(self.model, (args, kwargs), device, step)
+            return peak + plan.graph.resident_bytes, seconds
 
         margin = self.options.margin_for(device)
         try:
@@ -220,7 +227,7 @@ class CompiledModule(nn.Module):
             log.warning("the compiled step's peak was not measured: %s", e.cause)
             self._use(planned)
             return planned
-        chosen = variants[id(found.plan)]
+        chosen = variant(found.plan)
         self._use(chosen)
         self._kept_free = found.plan.margin_bytes - margin.of(found.plan.mem_limit)
         self.host_pool.check_plan(chosen.plan.host_bytes)

@@ -111,26 +111,35 @@ def test_fit_measured_keeps_the_measured_excess_free_and_stops_within_its_rounds
     def measure_over(excess: int):
         def measure(p: fxpooch.Plan) -> int:  # the code takes ``excess`` more than every plan counts
             tried.append(p)
-            return p.peak_bytes + excess
+            return p.peak_bytes + excess, p.step_time
         return measure
 
-    found = fit_measured(plan, measure_over(2 * MiB), rounds=2, planner="local", margin=Margin())
+    found = fit_measured(plan, measure_over(2 * MiB), rounds=2, planner="local", margin=Margin(), calibrate=False)
     assert len(tried) == 2 and tried[0] is plan
     assert found.plan is tried[1] and found.peak_bytes <= limit and found.plan.margin_bytes >= 2 * MiB
     assert found.plan.mem_limit == limit and found.plan.counts()["keep"] < len(plan.decisions)
 
     tried.clear()
     with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:  # no round left to plan again
-        fit_measured(plan, measure_over(2 * MiB), rounds=0, planner="local", margin=Margin())
+        fit_measured(plan, measure_over(2 * MiB), rounds=0, planner="local", margin=Margin(), calibrate=False)
     assert len(tried) == 1 and e.value.min_feasible_bytes == plan.peak_bytes + 2 * MiB
 
     tried.clear()
     with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:  # 3 MiB kept free leaves less than the floor
-        fit_measured(plan, measure_over(3 * MiB), rounds=2, planner="local", margin=Margin())
+        fit_measured(plan, measure_over(3 * MiB), rounds=2, planner="local", margin=Margin(), calibrate=False)
     with pytest.raises(fxpooch.InfeasibleMemoryLimit) as planned:
         _plan_of_mlp(1)
     floor = planned.value.min_feasible_bytes  # the planner's floor, then plus what the code takes above it
     assert len(tried) == 1 and e.value.min_feasible_bytes == floor + 3 * MiB > limit, e.value
+
+
+def test_the_measured_step_time_scales_the_costs():
+    plan = _plan_of_mlp(2**40)
+    found = fit_measured(plan, lambda p: (p.peak_bytes, p.step_time / 4), rounds=0, planner="local", margin=Margin())
+    assert found.plan.decisions == plan.decisions and found.plan.schedule == plan.schedule
+    assert found.plan.step_time == pytest.approx(plan.step_time / 4)
+    assert found.plan.in_core_time == pytest.approx(plan.in_core_time / 4)
+    assert "measured time" in found.plan.profile.source
 
 
 def test_peak_check_rounds_is_checked():
