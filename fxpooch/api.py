@@ -1,12 +1,10 @@
 """``fxpooch.compile``: capture -> profile -> plan -> rewrite -> run, one plan per input shape."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,16 +13,16 @@ import torch.nn as nn
 from . import _torch_compat as compat
 from . import distributed, fsdp, peakcheck
 from .capture import GraphPair, Recorder, StepSnapshot, UnplannedGraph
-from .codegen import compile_pair, decompositions
-from .debug import dump_graphs
+from .codegen import decompositions
 from .errors import InvalidMemoryLimit, PendingBackward, ReplanLimitExceeded, UnsupportedModel
-from .graph import NodeTable, StepGraph
 from .hardware import Hardware, Link
 from .limits import resolve_limit
 from .memory import Margin
 from .options import CompileOptions
 from .pipeline import TracedStep, compile_entry, grad_state, plan_graph, profile_step, step_device, trace_step
 from .plan import Plan
+from .planned import Planned as _Planned
+from .planned import sharing_code
 from .planners import Planner, resolve_planner
 from .profile import Profile
 from .runtime import HostPool, Runtime
@@ -201,14 +199,8 @@ class CompiledModule(nn.Module):
             return planned
         variants = [planned]  # the plans compiled, each with its code
 
-        def variant(plan: Plan) -> _Planned:
-            same = next((v for v in variants if v.plan.schedule == plan.schedule), None)
-            if same is None:
-                variants.append(same := dataclasses.replace(planned, plan=plan, rewritten=None))
-            return same if same.plan is plan else dataclasses.replace(same, plan=plan)
-
         def measure(plan: Plan) -> tuple[int, float]:
-            candidate = variant(plan)
+            candidate = sharing_code(planned, plan, variants)
             self._use(candidate)
 
             def step() -> None:
@@ -227,7 +219,7 @@ class CompiledModule(nn.Module):
             log.warning("the compiled step's peak was not measured: %s", e.cause)
             self._use(planned)
             return planned
-        chosen = variant(found.plan)
+        chosen = sharing_code(planned, found.plan, variants)
         self._use(chosen)
         self._kept_free = found.plan.margin_bytes - margin.of(found.plan.mem_limit)
         self.host_pool.check_plan(chosen.plan.host_bytes)
@@ -329,44 +321,6 @@ def _profile_and_plan(step: TracedStep, mem_limit: int | InCoreShare, options: C
         mem_limit = share.of(in_core_peak_bytes(profile.charged(step.graph)))
     # Step 3, plan: keep / swap / recompute per activation, simulated
     return plan_graph(step.graph, step.table, profile, mem_limit, planner=options.planner, margin=margin)
-
-
-@dataclass
-class _Planned:
-    plan: Plan
-    graph: StepGraph
-    table: NodeTable
-    pairs: list[GraphPair]
-    changed_buffers: list[tuple[nn.Module, str]]
-    grads: tuple[bool, ...]
-    codegen: str = "fx"
-    rewritten: list[tuple[torch.fx.GraphModule, torch.fx.GraphModule, tuple]] | None = None
-
-    @classmethod
-    def of(cls, plan: Plan, step: TracedStep, codegen: str = "fx") -> _Planned:
-        return cls(plan, step.graph, step.table, step.pairs, step.changed_buffers, step.grads, codegen)
-
-    @property
-    def key(self) -> tuple:
-        return tuple(self.pairs), self.grads
-
-    def bind(self, only: GraphPair | None = None, runtime: Runtime | None = None) -> None:
-        """Make the pairs (or ``only`` one of them) run this plan's rewritten graphs (rewritten and
-        compiled once, on first use), their ops on ``runtime`` if given (else the pair's own)."""
-        from fxpooch.passes import rewrite_pair
-
-        if self.rewritten is None:
-            self.rewritten = []
-            for g, pair in enumerate(self.pairs):
-                rewritten = rewrite_pair(g, self.graph, self.table, self.plan.schedule)
-                dump_graphs(g, pair, rewritten)
-                code = compile_pair(rewritten.forward, rewritten.backward, pair.num_user_outputs, self.codegen)
-                self.rewritten.append((rewritten.forward, rewritten.backward, code))
-        for pair, (forward, backward, code) in zip(self.pairs, self.rewritten):
-            if only is None or pair is only:
-                pair.bind(forward, backward, code)
-                if runtime is not None:
-                    pair.runtime = runtime.entered
 
 
 def _check_call(model: nn.Module, example_input: Any, mem_limit: int | str, planner: str | Planner,
