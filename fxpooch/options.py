@@ -55,10 +55,12 @@ class CompileOptions:
     drops them before calling backward (False, e.g. ``model(ids, labels=ids).loss.backward()``, where
     the logits come back next to the loss: each is planned until the forward returns; autograd's zero
     gradient for it is planned either way). ``codegen``: how the rewritten graphs run, "fx" (op by
-    op) or "inductor" (compiled; see :mod:`fxpooch.codegen`). ``peak_check_rounds`` (inductor only):
-    the compiled plan runs one step on the example inputs and its measured peak is checked against
-    the limit; above it, the plan is made again with the excess kept free, at most this many times
-    (:mod:`fxpooch.peakcheck`); 0 skips the check. A bad planner, hardware preset,
+    op) or "inductor" (compiled; see :mod:`fxpooch.codegen`). ``peak_check_rounds`` (``fxpooch.compile``
+    with inductor): the compiled plan runs steps on the example inputs, its measured time calibrates
+    the op times and its measured peak is checked against the limit; above it, the plan is made again
+    with the excess kept free, at most this many times (:mod:`fxpooch.peakcheck`); 0 skips both. The
+    ``torch.compile`` backend plans a graph before it first runs and never runs a step of its own, so
+    it does not check. A bad planner, hardware preset,
     ``margin``, ``host_pool_limit``, ``max_plans``, ``codegen``, ``peak_check_rounds`` or profile path is reported here,
     before anything runs.
     """

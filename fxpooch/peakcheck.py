@@ -149,7 +149,7 @@ def fit_measured(plan: Plan, measure: Callable[[Plan], tuple[int, float]], *, ro
     up to ``rounds`` times. ``calibrate``: the first step measured scales the costs
     (:func:`calibrated`); a plan whose schedule that changes is measured in its turn (not a round).
     Raises :class:`InfeasibleMemoryLimit` naming the lowest measured peak (a limit that plan met) when
-    none fits, or the planner's floor plus what its code took above the plan."""
+    none fits: the rounds ran out, or no plan keeps free what the code took above the last one."""
     limit = plan.mem_limit
     target = limit - margin.of(limit)
     tried: list[Measured] = []
@@ -172,8 +172,9 @@ def fit_measured(plan: Plan, measure: Callable[[Plan], tuple[int, float]], *, ro
         if round_ == rounds:
             break
         round_ += 1
-        # keep free what the code took above this plan, and at least the excess more than the last round
-        extra = max(found.undercount, extra + found.peak_bytes - target)
+        # keep free what the code took above this plan, at least the excess more than the last round, and
+        # enough that the planner must plan below this plan's peak (the same schedule measures the same)
+        extra = max(found.undercount, extra + found.peak_bytes - target, target - found.plan.peak_bytes + 1)
         tighter = Margin(margin.share, margin.nbytes + extra)
         try:
             plan = replan(plan, planner=planner, mem_limit=limit, margin=tighter)
@@ -182,7 +183,7 @@ def fit_measured(plan: Plan, measure: Callable[[Plan], tuple[int, float]], *, ro
                      e.min_feasible_bytes)
             best = min(tried, key=lambda m: m.peak_bytes)
             raise InfeasibleMemoryLimit(
-                limit, min(e.min_feasible_bytes, best.peak_bytes), e.live, e.planner, margin_bytes=margin.of(limit),
+                limit, best.peak_bytes, e.live, e.planner, margin_bytes=margin.of(limit),
                 note=(f"The compiled step took up to {format_bytes(found.undercount)} more than its plan "
                       "counts (measured on the example inputs: the compiled code's own buffers and scratch)."),
             ) from None

@@ -127,10 +127,19 @@ def test_fit_measured_keeps_the_measured_excess_free_and_stops_within_its_rounds
     tried.clear()
     with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:  # 3 MiB kept free leaves less than the floor
         fit_measured(plan, measure_over(3 * MiB), rounds=2, planner="local", margin=Margin(), calibrate=False)
+    assert len(tried) == 1 and e.value.min_feasible_bytes == plan.peak_bytes + 3 * MiB > limit, e.value
+
+    # at the planner's floor, a little more than planned: the limit the error names is one a plan meets
     with pytest.raises(fxpooch.InfeasibleMemoryLimit) as planned:
         _plan_of_mlp(1)
-    floor = planned.value.min_feasible_bytes  # the planner's floor, then plus what the code takes above it
-    assert len(tried) == 1 and e.value.min_feasible_bytes == floor + 3 * MiB > limit, e.value
+    at_floor = _plan_of_mlp(planned.value.min_feasible_bytes)
+    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:
+        fit_measured(at_floor, measure_over(4096), rounds=2, planner="local", margin=Margin(), calibrate=False)
+    named = e.value.min_feasible_bytes
+    assert named == at_floor.peak_bytes + 4096
+    found = fit_measured(_plan_of_mlp(named), measure_over(4096), rounds=2, planner="local", margin=Margin(),
+                         calibrate=False)
+    assert found.peak_bytes <= named
 
 
 def test_the_measured_step_time_scales_the_costs():
