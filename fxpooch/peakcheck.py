@@ -142,18 +142,31 @@ def calibrated(plan: Plan, seconds: float, *, planner: str | Planner, margin: Ma
     return replan(timed, planner=planner, mem_limit=plan.mem_limit, margin=margin)
 
 
+def most_frugal(plan: Plan, planner: str | Planner) -> Plan:
+    """``plan``'s step planned at the planner's floor (its plan of the lowest peak), under ``plan``'s
+    limit with the rest kept free."""
+    try:
+        replan(plan, planner=planner, mem_limit=1, margin=Margin())
+        return plan
+    except InfeasibleMemoryLimit as e:
+        floor = e.min_feasible_bytes
+    return replan(plan, planner=planner, mem_limit=plan.mem_limit, margin=Margin(nbytes=max(0, plan.mem_limit - floor)))
+
+
 def fit_measured(plan: Plan, measure: Callable[[Plan], tuple[int, float]], *, rounds: int,
                  planner: str | Planner, margin: Margin, calibrate: bool = True) -> Measured:
     """``plan`` if its compiled step (``measure(plan)``: the measured peak and seconds) fits the
     limit less ``margin``, else a plan made again with the memory measured above the plan kept free,
-    up to ``rounds`` times. ``calibrate``: the first step measured scales the costs
-    (:func:`calibrated`); a plan whose schedule that changes is measured in its turn (not a round).
-    Raises :class:`InfeasibleMemoryLimit` naming the lowest measured peak (a limit that plan met) when
-    none fits: the rounds ran out, or no plan keeps free what the code took above the last one."""
+    up to ``rounds`` times, and last the planner's most frugal plan (:func:`most_frugal`).
+    ``calibrate``: the first step measured scales the costs (:func:`calibrated`); a plan whose
+    schedule that changes is measured in its turn (not a round). Raises
+    :class:`InfeasibleMemoryLimit` naming the lowest measured peak (a limit that plan met) when none
+    fits."""
     limit = plan.mem_limit
     target = limit - margin.of(limit)
     tried: list[Measured] = []
     extra = round_ = 0
+    frugal = False  # the most frugal plan was measured
     while True:
         found = Measured(plan, *measure(plan))
         log.info("round %d: the compiled step measured %d bytes, planned %d, limit %d (less the margin: %d)",
@@ -169,28 +182,42 @@ def fit_measured(plan: Plan, measure: Callable[[Plan], tuple[int, float]], *, ro
         tried.append(found)
         if found.peak_bytes <= target:
             return found
-        if round_ == rounds:
-            break
+        plan = None if frugal else _tighter(found, target, extra, round_ < rounds, planner, margin)
+        if plan is None:
+            frugal, plan = True, most_frugal(found.plan, planner)
+            if any(t.plan.schedule == plan.schedule for t in tried):
+                break
+            log.warning("the compiled step measured %d bytes above the limit of %d: its most frugal plan next",
+                        found.peak_bytes - target, limit)
+            continue
+        extra = plan.margin_bytes - margin.of(limit)
         round_ += 1
-        # keep free what the code took above this plan, at least the excess more than the last round, and
-        # enough that the planner must plan below this plan's peak (the same schedule measures the same)
-        extra = max(found.undercount, extra + found.peak_bytes - target, target - found.plan.peak_bytes + 1)
-        tighter = Margin(margin.share, margin.nbytes + extra)
-        try:
-            plan = replan(plan, planner=planner, mem_limit=limit, margin=tighter)
-        except InfeasibleMemoryLimit as e:
-            log.info("no plan leaves %d bytes free under the limit (smallest limit for that: %d)", extra,
-                     e.min_feasible_bytes)
-            best = min(tried, key=lambda m: m.peak_bytes)
-            raise InfeasibleMemoryLimit(
-                limit, best.peak_bytes, e.live, e.planner, margin_bytes=margin.of(limit),
-                note=(f"The compiled step took up to {format_bytes(found.undercount)} more than its plan "
-                      "counts (measured on the example inputs: the compiled code's own buffers and scratch)."),
-            ) from None
-        log.warning("the compiled step measured %d bytes above the limit of %d: planned again with %d bytes kept "
-                    "free for what the compiled code takes beyond the plan", found.peak_bytes - target, limit, extra)
     best = min(tried, key=lambda m: m.peak_bytes)
     raise InfeasibleMemoryLimit(
-        limit, best.peak_bytes, (), plan.planner, margin_bytes=margin.of(limit),
-        note=(f"After {rounds} plans made again with more memory kept free, the compiled step still measured "
-              f"above the limit; the lowest peak measured was {format_bytes(best.peak_bytes)}."))
+        limit, best.peak_bytes, (), found.plan.planner, margin_bytes=margin.of(limit),
+        note=(f"Measured on the example inputs, the compiled step took up to "
+              f"{format_bytes(max(t.undercount for t in tried))} more than its plan counts (the compiled code's "
+              f"own buffers and scratch); of {len(tried)} plans tried the lowest peak measured was "
+              f"{format_bytes(best.peak_bytes)}."))
+
+
+def _tighter(found: Measured, target: int, extra: int, again: bool, planner: str | Planner,
+             margin: Margin) -> Plan | None:
+    """The plan made again with what ``found``'s code took above its plan kept free (beyond the
+    ``extra`` kept free so far); None when no round is left (``again``) or no plan keeps that free."""
+    if not again:
+        return None
+    # keep free what the code took above this plan, at least the excess more than the last round, and
+    # enough that the planner must plan below this plan's peak (the same schedule measures the same)
+    extra = max(found.undercount, extra + found.peak_bytes - target, target - found.plan.peak_bytes + 1)
+    try:
+        plan = replan(found.plan, planner=planner, mem_limit=found.plan.mem_limit,
+                      margin=Margin(margin.share, margin.nbytes + extra))
+    except InfeasibleMemoryLimit as e:
+        log.info("no plan leaves %d bytes free under the limit (smallest limit for that: %d)", extra,
+                 e.min_feasible_bytes)
+        return None
+    log.warning("the compiled step measured %d bytes above the limit of %d: planned again with %d bytes kept free "
+                "for what the compiled code takes beyond the plan", found.peak_bytes - target, found.plan.mem_limit,
+                extra)
+    return plan

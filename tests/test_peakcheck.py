@@ -119,20 +119,22 @@ def test_fit_measured_keeps_the_measured_excess_free_and_stops_within_its_rounds
     assert found.plan is tried[1] and found.peak_bytes <= limit and found.plan.margin_bytes >= 2 * MiB
     assert found.plan.mem_limit == limit and found.plan.counts()["keep"] < len(plan.decisions)
 
+    # no round left to plan again: the most frugal plan is measured last
     tried.clear()
-    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:  # no round left to plan again
-        fit_measured(plan, measure_over(2 * MiB), rounds=0, planner="local", margin=Margin(), calibrate=False)
-    assert len(tried) == 1 and e.value.min_feasible_bytes == plan.peak_bytes + 2 * MiB
+    found = fit_measured(plan, measure_over(2 * MiB), rounds=0, planner="local", margin=Margin(), calibrate=False)
+    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as planned:
+        _plan_of_mlp(1)
+    floor = planned.value.min_feasible_bytes
+    assert len(tried) == 2 and found.plan is tried[1] and found.plan.peak_bytes == floor
+    assert found.peak_bytes == floor + 2 * MiB <= limit
 
     tried.clear()
     with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:  # 3 MiB kept free leaves less than the floor
         fit_measured(plan, measure_over(3 * MiB), rounds=2, planner="local", margin=Margin(), calibrate=False)
-    assert len(tried) == 1 and e.value.min_feasible_bytes == plan.peak_bytes + 3 * MiB > limit, e.value
+    assert len(tried) == 2 and e.value.min_feasible_bytes == floor + 3 * MiB > limit, e.value
 
     # at the planner's floor, a little more than planned: the limit the error names is one a plan meets
-    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as planned:
-        _plan_of_mlp(1)
-    at_floor = _plan_of_mlp(planned.value.min_feasible_bytes)
+    at_floor = _plan_of_mlp(floor)
     with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:
         fit_measured(at_floor, measure_over(4096), rounds=2, planner="local", margin=Margin(), calibrate=False)
     named = e.value.min_feasible_bytes
