@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -39,14 +37,15 @@ from .memory import Margin
 from .pipeline import replan
 from .plan import Plan
 from .planners import Planner
+from .timing import ProfileOptions, thread_clock, wall_clock
 
 log = logging.getLogger("fxpooch.peakcheck")
 
 #: steps run per memory measurement: the first fills the host pool (and inductor's lazily made
 #: state), the last is measured
 MEASURED_STEPS = 2
-#: steps timed after them, the median taken
-TIMED_STEPS = 3
+#: steps timed after them
+TIMED_STEPS = 5
 
 
 @dataclass(frozen=True)
@@ -111,11 +110,15 @@ def undone(model: nn.Module, inputs: object) -> Iterator[None]:
 
 def measure_step(model: nn.Module, inputs: object, device: torch.device, step: Callable[[], object]) -> tuple[int, float]:
     """Peak bytes above the start of the last of :data:`MEASURED_STEPS` runs of ``step()`` (forward
-    and backward), then the median seconds of :data:`TIMED_STEPS` more, on copies of the gradients
-    it accumulates into; everything it changes is undone."""
+    and backward), then the seconds of :data:`TIMED_STEPS` more, timed and summarised as a measured
+    profile times its ops (:class:`~fxpooch.timing.ProfileOptions`: on one CPU thread the thread's CPU
+    time, their median; else the wall clock, their least), on copies of the gradients it accumulates
+    into; everything it changes is undone."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     peak, seconds = 0, []
+    timing = ProfileOptions()  # the clock and summary a measured profile uses
+    on_thread_clock = device.type == "cpu" and timing.thread_clock()
     with undone(model, inputs), torch.enable_grad():
         for i in range(MEASURED_STEPS + TIMED_STEPS):
             for p, g in zip(params, grads):
@@ -123,12 +126,12 @@ def measure_step(model: nn.Module, inputs: object, device: torch.device, step: C
             if i < MEASURED_STEPS:
                 peak = allocator_peak(device, step)
                 continue
-            start = time.perf_counter()
+            clock = thread_clock() if on_thread_clock else wall_clock()
             step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - start)
-    return peak, statistics.median(seconds)
+            seconds.append(clock())
+    return peak, timing.summary(seconds, on_cuda=device.type == "cuda")
 
 
 def calibrated(plan: Plan, seconds: float, *, planner: str | Planner, margin: Margin) -> Plan:
