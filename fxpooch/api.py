@@ -221,7 +221,7 @@ class CompiledModule(nn.Module):
             return planned
         chosen = sharing_code(planned, found.plan, variants)
         self._use(chosen)
-        self._kept_free = found.plan.margin_bytes - margin.of(found.plan.mem_limit)
+        self._kept_free = found.undercount  # what this code took above its plan, kept free in later plans
         self.host_pool.check_plan(chosen.plan.host_bytes)
         self._plans[chosen.key] = chosen
         return chosen

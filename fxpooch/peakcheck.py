@@ -4,7 +4,7 @@ time taken as the measure of its compute.
 Inductor runs other code than the graphs the profile measured op by op: it lays convolutions out
 channels-last on CPU, relays weights in kernels of its own and lowers ops into fused kernels, so
 the scratch memory its code takes is not the profiled scratch (on the CNN of benchmarks/CPU.md its
-step measured 0.8 MiB above the plan). :func:`fit_measured` closes the loop: the plan, compiled,
+step measured 0.85 MiB above the plan). :func:`fit_measured` closes the loop: the plan, compiled,
 runs a training step on the example inputs (its effects undone), the allocator's peak of that step
 is read (:func:`allocator_peak`: on CUDA its peak statistic, on CPU the profiler's allocator
 events), and while it is above the limit (less the margin), the plan is made again with the memory
