@@ -27,7 +27,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("inspect", {"whatif", "report", "explain", "svg", "trace"}),
     ("passes", {"passes", "passes.meta", "passes.offload", "passes.swapin", "passes.rewrite", "passes.slots"}),
     ("runtime", {"hostpool", "runtime", "codegen"}),
-    ("api", {"options", "pipeline", "distributed", "fsdp", "api", "torch_backend"}),
+    ("api", {"options", "pipeline", "distributed", "fsdp", "planned", "peakcheck", "api", "torch_backend"}),
     ("entry points", {"demo", "__main__", "__init__"}),
 ]
 
