@@ -189,8 +189,8 @@ class Bounds:
         self.suffix = [0.0] * (len(graph.ops) + 1)  # compute from each op to the end of the step
         for o in reversed(range(len(graph.ops))):
             self.suffix[o] = self.suffix[o + 1] + costs.op_time[o]
-        self.cuts = self._cuts(ev.all_keep())
-        log.debug("%d cuts over %d ops", len(self.cuts), len(graph.ops))
+        self.cuts, self.timing_cuts = self._cuts(ev.all_keep())
+        log.debug("%d cuts (%d more for timing) over %d ops", len(self.cuts), len(self.timing_cuts), len(graph.ops))
 
     def recompute_costs(self, decided: Partial) -> list[float]:
         """Per activation: compute its recompute surely runs in any plan that recomputes it
@@ -243,8 +243,11 @@ class Bounds:
                          max(last_forward[x], *(at[m] for m in act.members))))
         return sched, at, mem, span
 
-    def _cuts(self, keep: Sequence[Decision]) -> list[Cut]:
-        """One cut per set of candidates: the op where the in-core plan exceeds the limit most."""
+    def _cuts(self, keep: Sequence[Decision]) -> tuple[list[Cut], list[Cut]]:
+        """One cut per set of candidates: the op where the in-core plan exceeds the limit most; and
+        the first and the last ops with that set where it exceeds it at all, where not the same
+        op (every cut holds on its own; :mod:`.lp` times its copies at these too: the first
+        bounds when the D2H copies end, the last when the prefetches may start)."""
         graph, ev = self.ev.graph, self.ev
         _, at, mem, span = self._layout(keep)
         acts = graph.activations
@@ -254,6 +257,8 @@ class Bounds:
         forward_end = max(stop for _, stop in graph.forward_range)
         base = graph.resident_bytes - ev.problem.mem_limit
         chosen: dict[tuple[int, ...], Cut] = {}
+        first: dict[tuple[int, ...], Cut] = {}
+        last: dict[tuple[int, ...], Cut] = {}
         for c in range(len(graph.ops)):
             i = at[c]
             backward = c >= forward_end
@@ -266,11 +271,18 @@ class Bounds:
                 slack = 0
             # mem[i] holds the op's own scratch (StepGraph.op_scratch), as every plan does while it runs
             excess = int(base + mem[i] - slack)
+            if excess <= 0:
+                continue
+            between = prefix[forward_end] - prefix[c] if not backward else 0.0
+            cut = Cut(c, backward, prefix[c], between, prefix[-1] - prefix[c] - between, excess, cand)
             old = chosen.get(cand)
-            if excess > 0 and (old is None or excess > old.excess):
-                between = prefix[forward_end] - prefix[c] if not backward else 0.0
-                chosen[cand] = Cut(c, backward, prefix[c], between, prefix[-1] - prefix[c] - between, excess, cand)
-        return list(chosen.values())
+            if old is None or excess > old.excess:
+                chosen[cand] = cut
+            first.setdefault(cand, cut)
+            last[cand] = cut
+        most = {cut.op for cut in chosen.values()}
+        timing = {cut.op: cut for cut in [*first.values(), *last.values()] if cut.op not in most}
+        return list(chosen.values()), list(timing.values())
 
     def rebuild(self, a: int, recomputable: Sequence[float]) -> tuple[int, set[int]]:
         """While a chain rebuilds activation ``a`` at its first reader: the device bytes it holds
