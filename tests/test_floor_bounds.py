@@ -14,7 +14,7 @@ from test_search import GRAPHS, at_fraction, brute_force, problem
 pytest.importorskip("scipy")
 from fxpooch.planners.lp import Families, relaxation, solve  # noqa: E402
 
-WITHOUT = Families(cut_ends=False, streams=False, chain_reads=False)
+WITHOUT = Families(cut_ends=False, streams=False, chain_reads=False, head_reads=False)
 #: HiGHS stops a MILP within a relative gap of 1e-4: its dual bound may lie that far below its optimum
 MIP_GAP = 1e-4
 FRACTIONS = (0.3, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 1.0)  # of the in-core peak

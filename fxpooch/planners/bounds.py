@@ -113,6 +113,10 @@ class RebuildPoint:
     rebuild: int  # the least ``Bounds.rebuild`` bytes among them
     excess: int  # in-core memory there (resident included) beyond the limit, less the swap slack
     candidates: tuple[int, ...]  # live activations first read by ``op`` or later
+    #: per rebuilt activation: its ``Bounds.rebuild`` bytes and the candidates on the device
+    #: while its chain holds them (its own chain emitted there evicts ``excess`` + those bytes of
+    #: the other candidates)
+    heads: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
 class _Curve:
@@ -343,8 +347,9 @@ class Bounds:
             cand = tuple(a for a in live if self.first_reader[a] is not None and self.first_reader[a] >= u
                          and a not in read)
             slack = sum(max(0, self.nbytes[a] - acts[a].transfer_bytes) for a in live if acts[a].swappable)
+            heads = tuple((a, nbytes, tuple(sorted(inputs & set(cand)))) for a, (nbytes, inputs) in zip(rebuilt, held))
             out.append(RebuildPoint(u, tuple(rebuilt), min(nbytes for nbytes, _ in held),
-                                    int(base + before - slack), cand))
+                                    int(base + before - slack), cand, heads))
         return out
 
     def cut_bound(self, cut: Cut, decided: Partial, recompute: Sequence[float]) -> float:

@@ -38,7 +38,7 @@ import bisect
 import math
 from typing import TYPE_CHECKING
 
-from ..schedule import chain_ops
+from ..schedule import chain_inputs
 from .bounds import Bounds
 
 if TYPE_CHECKING:
@@ -103,12 +103,7 @@ def read_by_chains(bounds: Bounds, model: Model, x: dict, points: list[_Point],
     fr = bounds.first_reader
     n = len(graph.activations)
     recomputable = [rec[a] < math.inf and model.hi[x[("r", a)]] > 0 for a in range(n)]
-    inputs = {}
-    for c in range(n):
-        if recomputable[c]:
-            ops = chain_ops(graph, c, lambda _: False, owner, strict=False)
-            inputs[c] = sorted({owner[v] for o in ops for v in graph.ops[o].recompute_args
-                                if v in owner and v in graph.saved and v not in ops} - {c})  # read, not rebuilt
+    inputs = {c: chain_inputs(graph, c, owner) for c in range(n) if recomputable[c]}
     backward = sorted((p.op, i) for i, p in enumerate(points) if not p.forward)
     ops_of = [op for op, _ in backward]
     for b in range(n):

@@ -116,6 +116,7 @@ class _Point:
     candidates: tuple[int, ...]
     rebuilt: tuple[int, ...] = ()
     rebuild: int = 0
+    heads: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
     @property
     def key(self) -> tuple[int, int]:
@@ -130,6 +131,7 @@ class Families:
     cut_ends: bool = True  # the first and last cut of each candidate set; prefetches after a cut's op
     streams: bool = True  # every swap's two copies, evicted at a point or not
     chain_reads: bool = True  # a swap read by a recompute chain is on the device from then on
+    head_reads: bool = True  # at a rebuild point, each head's own chain bytes and inputs
 
 
 def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
@@ -157,8 +159,8 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
 
     points = [_Point(c.op, False, not c.backward, c.excess, c.candidates) for c in bounds.cuts + (bounds.timing_cuts if families.cut_ends else [])]
     for rp in bounds.rebuild_points():
-        if rp.excess + rp.rebuild > 0:
-            points.append(_Point(rp.op, True, False, rp.excess, rp.candidates, rp.rebuilt, rp.rebuild))
+        if rp.excess + max(nbytes for _, nbytes, _ in rp.heads) > 0:
+            points.append(_Point(rp.op, True, False, rp.excess, rp.candidates, rp.rebuilt, rp.rebuild, rp.heads))
     points.sort(key=lambda p: p.key)
     keys = [p.key for p in points]
     theta = [model.var() for _ in points]
@@ -208,7 +210,11 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
                     model.ge([(y[a], 1.0), *((yb, 1.0) for yb in later), (j, -1.0)], 0.0)
                 r_vars.append((a, j))
         cover = [(j, float(bounds.nbytes[a])) for a, j in s_vars + r_vars]
-        if p.group:
+        if p.group and families.head_reads:
+            for a, nbytes, held in p.heads:  # a's own chain: its bytes, its inputs on the device
+                model.ge([*((j, float(bounds.nbytes[b])) for b, j in s_vars + r_vars if b not in held),
+                          (y[a], -float(p.excess + nbytes))], 0.0)
+        elif p.group:
             for a in p.rebuilt:
                 model.ge([*cover, (y[a], -float(p.excess + p.rebuild))], 0.0)
         else:
