@@ -31,6 +31,14 @@ the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them
   ran by ``b``'s first reader), a swapped input ``d`` of ``c`` is on the device at every
   backward point from ``b``'s first reader's RUN on: ``s_dp + q_bc <= 1`` (at a rebuild point
   of ``b``'s own first reader only when ``b``'s chain ran first, which is not known: left out).
+* *Head reads* (in :func:`.lp.relaxation`'s rebuild points). The rebuild point of ``u`` bounds
+  the evictions when *some* head's chain runs there by the least ``Bounds.rebuild`` bytes over
+  the heads first read by ``u``, over the candidates none of their chains reads. Per head ``a``
+  instead: if ``y_a = 1``, ``a``'s chain runs in ``u``'s group, and at its op where its buffers
+  are most it holds ``Bounds.rebuild(a)`` bytes with the inputs that op reads (and the chain's
+  unrecomputable inputs) on the device; the group issues no RUN, so nothing is freed in it and
+  what is absent then was absent at the group's start (the point's evictions). So the point's
+  evictions outside ``a``'s held inputs cover ``excess + rebuild(a)`` whenever ``y_a = 1``.
 """
 from __future__ import annotations
 
