@@ -80,6 +80,14 @@ def member_owner(graph: StepGraph) -> dict[int, ActivationId]:
     return {m: a for a, act in enumerate(graph.activations) for m in act.members}
 
 
+def chain_inputs(graph: StepGraph, a: ActivationId, owner: dict[int, ActivationId]) -> list[ActivationId]:
+    """The activations ``a``'s shortest recompute chain (every other activation available) reads
+    from the device: every chain that rebuilds ``a`` runs those ops."""
+    ops = chain_ops(graph, a, lambda _: False, owner, strict=False)
+    return sorted({owner[v] for o in ops for v in graph.ops[o].recompute_args
+                   if v in owner and v in graph.saved and v not in ops} - {a})
+
+
 def recompute_chain(graph: StepGraph, a: ActivationId, decisions: Sequence[Decision],
                     owner: dict[int, ActivationId] | None = None) -> tuple[OpId, ...]:
     """Forward ops (program order) that rebuild activation ``a`` from values the backward has.

@@ -113,6 +113,10 @@ class RebuildPoint:
     rebuild: int  # the least ``Bounds.rebuild`` bytes among them
     excess: int  # in-core memory there (resident included) beyond the limit, less the swap slack
     candidates: tuple[int, ...]  # live activations first read by ``op`` or later
+    #: per rebuilt activation: its ``Bounds.rebuild`` bytes and the candidates on the device
+    #: while its chain holds them (its own chain emitted there evicts ``excess`` + those bytes of
+    #: the other candidates)
+    heads: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
 class _Curve:
@@ -189,8 +193,8 @@ class Bounds:
         self.suffix = [0.0] * (len(graph.ops) + 1)  # compute from each op to the end of the step
         for o in reversed(range(len(graph.ops))):
             self.suffix[o] = self.suffix[o + 1] + costs.op_time[o]
-        self.cuts = self._cuts(ev.all_keep())
-        log.debug("%d cuts over %d ops", len(self.cuts), len(graph.ops))
+        self.cuts, self.timing_cuts = self._cuts(ev.all_keep())
+        log.debug("%d cuts (%d more for timing) over %d ops", len(self.cuts), len(self.timing_cuts), len(graph.ops))
 
     def recompute_costs(self, decided: Partial) -> list[float]:
         """Per activation: compute its recompute surely runs in any plan that recomputes it
@@ -243,8 +247,11 @@ class Bounds:
                          max(last_forward[x], *(at[m] for m in act.members))))
         return sched, at, mem, span
 
-    def _cuts(self, keep: Sequence[Decision]) -> list[Cut]:
-        """One cut per set of candidates: the op where the in-core plan exceeds the limit most."""
+    def _cuts(self, keep: Sequence[Decision]) -> tuple[list[Cut], list[Cut]]:
+        """One cut per set of candidates: the op where the in-core plan exceeds the limit most; and
+        the first and the last ops with that set where it exceeds it at all, where not the same
+        op (every cut holds on its own; :mod:`.lp` times its copies at these too: the first
+        bounds when the D2H copies end, the last when the prefetches may start)."""
         graph, ev = self.ev.graph, self.ev
         _, at, mem, span = self._layout(keep)
         acts = graph.activations
@@ -254,6 +261,8 @@ class Bounds:
         forward_end = max(stop for _, stop in graph.forward_range)
         base = graph.resident_bytes - ev.problem.mem_limit
         chosen: dict[tuple[int, ...], Cut] = {}
+        first: dict[tuple[int, ...], Cut] = {}
+        last: dict[tuple[int, ...], Cut] = {}
         for c in range(len(graph.ops)):
             i = at[c]
             backward = c >= forward_end
@@ -266,11 +275,18 @@ class Bounds:
                 slack = 0
             # mem[i] holds the op's own scratch (StepGraph.op_scratch), as every plan does while it runs
             excess = int(base + mem[i] - slack)
+            if excess <= 0:
+                continue
+            between = prefix[forward_end] - prefix[c] if not backward else 0.0
+            cut = Cut(c, backward, prefix[c], between, prefix[-1] - prefix[c] - between, excess, cand)
             old = chosen.get(cand)
-            if excess > 0 and (old is None or excess > old.excess):
-                between = prefix[forward_end] - prefix[c] if not backward else 0.0
-                chosen[cand] = Cut(c, backward, prefix[c], between, prefix[-1] - prefix[c] - between, excess, cand)
-        return list(chosen.values())
+            if old is None or excess > old.excess:
+                chosen[cand] = cut
+            first.setdefault(cand, cut)
+            last[cand] = cut
+        most = {cut.op for cut in chosen.values()}
+        timing = {cut.op: cut for cut in [*first.values(), *last.values()] if cut.op not in most}
+        return list(chosen.values()), list(timing.values())
 
     def rebuild(self, a: int, recomputable: Sequence[float]) -> tuple[int, set[int]]:
         """While a chain rebuilds activation ``a`` at its first reader: the device bytes it holds
@@ -331,8 +347,9 @@ class Bounds:
             cand = tuple(a for a in live if self.first_reader[a] is not None and self.first_reader[a] >= u
                          and a not in read)
             slack = sum(max(0, self.nbytes[a] - acts[a].transfer_bytes) for a in live if acts[a].swappable)
+            heads = tuple((a, nbytes, tuple(sorted(inputs & set(cand)))) for a, (nbytes, inputs) in zip(rebuilt, held))
             out.append(RebuildPoint(u, tuple(rebuilt), min(nbytes for nbytes, _ in held),
-                                    int(base + before - slack), cand))
+                                    int(base + before - slack), cand, heads))
         return out
 
     def cut_bound(self, cut: Cut, decided: Partial, recompute: Sequence[float]) -> float:

@@ -35,6 +35,9 @@ before their first reader: ``T >= θ_p + tail_p + sum r_a r_ap`` and likewise up
 point after each first reader. ``T >= compute + sum r_a x_a^r``. (``r_a`` as in
 ``Bounds.recompute_costs``: shared segments are not counted twice.)
 
+**Near the floor**: the families of :mod:`.floor` (``Families``; each holds for every fitting
+plan's point, so the bound stays valid with any of them).
+
 **Scratch.** The memory an op takes inside itself (``StepGraph.op_scratch``) is in ``M_c`` at a
 cut (every plan holds the op's scratch while it runs) and left out at a rebuild point (neither
 ``u``'s nor the chain's): bytes a plan holds that the model does not ask for only relax it, so the
@@ -53,6 +56,7 @@ from dataclasses import dataclass, field
 from ..schedule import chain_ops
 from .bounds import Bounds
 from .common import Evaluator
+from .floor import read_by_chains, streams
 
 log = logging.getLogger("fxpooch.planner.lp")
 
@@ -112,13 +116,25 @@ class _Point:
     candidates: tuple[int, ...]
     rebuilt: tuple[int, ...] = ()
     rebuild: int = 0
+    heads: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
     @property
     def key(self) -> tuple[int, int]:
         return self.op, 0 if self.group else 1
 
 
-def relaxation(bounds: Bounds) -> Model:
+@dataclass(frozen=True)
+class Families:
+    """Which families of inequalities near the floor (:mod:`.floor`) the model has: all
+    by default; fewer only to measure what each adds."""
+
+    cut_ends: bool = True  # the first and last cut of each candidate set; prefetches after a cut's op
+    streams: bool = True  # every swap's two copies, evicted at a point or not
+    chain_reads: bool = True  # a swap read by a recompute chain is on the device from then on
+    head_reads: bool = True  # at a rebuild point, each head's own chain bytes and inputs
+
+
+def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
     """The model of the module docstring for ``bounds``' problem."""
     ev = bounds.ev
     graph, costs = ev.graph, ev.problem.costs
@@ -141,10 +157,10 @@ def relaxation(bounds: Bounds) -> Model:
         if rec[a] == math.inf:
             model.hi[x[("r", a)]] = 0.0
 
-    points = [_Point(c.op, False, not c.backward, c.excess, c.candidates) for c in bounds.cuts]
+    points = [_Point(c.op, False, not c.backward, c.excess, c.candidates) for c in bounds.cuts + (bounds.timing_cuts if families.cut_ends else [])]
     for rp in bounds.rebuild_points():
-        if rp.excess + rp.rebuild > 0:
-            points.append(_Point(rp.op, True, False, rp.excess, rp.candidates, rp.rebuilt, rp.rebuild))
+        if rp.excess + max(nbytes for _, nbytes, _ in rp.heads) > 0:
+            points.append(_Point(rp.op, True, False, rp.excess, rp.candidates, rp.rebuilt, rp.rebuild, rp.heads))
     points.sort(key=lambda p: p.key)
     keys = [p.key for p in points]
     theta = [model.var() for _ in points]
@@ -177,6 +193,7 @@ def relaxation(bounds: Bounds) -> Model:
     extra = _chain_sharing(bounds, model, x, y, rec)
     model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf] + extra, 1.0)
 
+    evicted_swap: dict[tuple[int, int], int] = {}  # (point, activation) -> s_ap
     for i, p in enumerate(points):
         s_vars, r_vars = [], []
         for a in p.candidates:
@@ -184,6 +201,7 @@ def relaxation(bounds: Bounds) -> Model:
                 j = model.var(1.0, True)
                 model.ge([(x[("s", a)], 1.0), (j, -1.0)], 0.0)
                 s_vars.append((a, j))
+                evicted_swap[(i, a)] = j
             if rec[a] < math.inf:
                 j = model.var(1.0, True)
                 model.ge([(x[("r", a)], 1.0), (j, -1.0)], 0.0)
@@ -192,7 +210,11 @@ def relaxation(bounds: Bounds) -> Model:
                     model.ge([(y[a], 1.0), *((yb, 1.0) for yb in later), (j, -1.0)], 0.0)
                 r_vars.append((a, j))
         cover = [(j, float(bounds.nbytes[a])) for a, j in s_vars + r_vars]
-        if p.group:
+        if p.group and families.head_reads:
+            for a, nbytes, held in p.heads:  # a's own chain: its bytes, its inputs on the device
+                model.ge([*((j, float(bounds.nbytes[b])) for b, j in s_vars + r_vars if b not in held),
+                          (y[a], -float(p.excess + nbytes))], 0.0)
+        elif p.group:
             for a in p.rebuilt:
                 model.ge([*cover, (y[a], -float(p.excess + p.rebuild))], 0.0)
         else:
@@ -214,7 +236,10 @@ def relaxation(bounds: Bounds) -> Model:
             if prev is not None:
                 model.ge([(theta[i], 1.0), (prev, -1.0)], 0.0)
         # H2D: from the end of the forward (a forward cut) or θ, in first-reader order
-        between = prefix[forward_end] - prefix[p.op] if p.forward else 0.0
+        # a backward cut's evictees are not on the device while its op runs: their prefetches are
+        # issued after it ends
+        ends = not p.group and families.cut_ends
+        between = prefix[forward_end] - prefix[p.op] if p.forward else costs.op_time[p.op] / unit if ends else 0.0
         prev = None
         for a, j in sorted(s_vars, key=lambda t: (bounds.first_reader[t[0]], t[0])):
             k = bounds.first_reader[a]
@@ -240,6 +265,10 @@ def relaxation(bounds: Bounds) -> Model:
                 model.ge([(theta[q], 1.0), (theta[i], -1.0), (r, -1.0)], prefix[points[q].op] - prefix[p.op])
             prev = r
         model.ge([(0, 1.0), (theta[i], -1.0)] + ([(prev, -1.0)] if prev is not None else []), suffix[p.op])
+    if families.streams:
+        streams(bounds, model, x, points, theta, prefix, suffix, d2h, h2d)
+    if families.chain_reads:
+        read_by_chains(bounds, model, x, points, evicted_swap, rec)
     return model
 
 

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import FxpoochError, InfeasibleMemoryLimit
-from ..schedule import Decision
+from ..schedule import Decision, chain_inputs
 from .registry import register
 from .baselines import checkpoint_plan
 from .bounds import Bounds
@@ -60,8 +60,9 @@ class SearchOptions:
 
 def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     """First-improvement descent over single-activation changes, largest activations first, then
-    (where none helps) trades between two activations of the same bytes (:func:`exchange`), until
-    no change helps or ``simulations`` more plans have been judged."""
+    (where none helps) trades between two activations of the same bytes (:func:`exchange`), then
+    changes of two linked activations (:func:`linked`), until no change helps or
+    ``simulations`` more plans have been judged."""
     stop_at = ev.simulations + simulations
     floor = ev.evaluate(ev.all_keep()).step_time  # nothing beats in-core (cheaper than lower_bound)
     best = seed
@@ -83,9 +84,10 @@ def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
                     break
             if ev.simulations >= stop_at:
                 break
-        if not improved and ev.simulations < stop_at:
-            trade = exchange(ev, best, order, stop_at)
-            best, improved = (trade, True) if trade is not None else (best, False)
+        for move in (exchange, linked):
+            if not improved and ev.simulations < stop_at:
+                found = move(ev, best, order, stop_at)
+                best, improved = (found, True) if found is not None else (best, False)
     log.info("local search: %.4g s -> %.4g s (%d evaluations)", seed.step_time, best.step_time, ev.evaluations)
     return best
 
@@ -110,6 +112,41 @@ def exchange(ev: Evaluator, best: Candidate, order: list[int], stop_at: int) -> 
             c = ev.evaluate(trial)
             if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
                 return c
+    return None
+
+
+def linked(ev: Evaluator, best: Candidate, order: list[int], stop_at: int) -> Candidate | None:
+    """The first faster fitting plan that sets an activation and one its shortest recompute chain
+    reads to the same new decision (recompute a convolution's output together with the ReLU
+    output it reads: one chain, where recomputing either alone frees too little or costs a
+    longer chain), with, where that alone misses the limit, one change to an activation those
+    two chains read or read with them (a batch norm's saved statistics beside its ReLU output);
+    or None. ``order``: largest first."""
+    acts = ev.graph.activations
+    inputs = [chain_inputs(ev.graph, a, ev.owner) for a in range(len(acts))]
+    readers: dict[int, set[int]] = {}
+    for c, read in enumerate(inputs):
+        for a in read:
+            readers.setdefault(a, set()).add(c)
+    for b in order:
+        for a in inputs[b]:
+            near = sorted({*inputs[a], *inputs[b], *(c for i in inputs[a] + inputs[b] for c in readers[i])} - {a, b})
+            for d in Decision:
+                if best.decisions[a] is d or best.decisions[b] is d or (
+                        d is Decision.SWAP and not (acts[a].swappable and acts[b].swappable)):
+                    continue  # one change: tried already
+                trial = list(best.decisions)
+                trial[a] = trial[b] = d
+                tries = [trial] + [[*trial[:c], e, *trial[c + 1:]] for c in near for e in Decision
+                                   if e is not trial[c] and (e is not Decision.SWAP or acts[c].swappable)]
+                for t in tries:
+                    if ev.simulations >= stop_at:
+                        return None
+                    c = ev.evaluate(t)
+                    if c is not None and c.fits:
+                        if c.step_time < best.step_time * (1 - 1e-9):
+                            return c
+                        break  # fits: the pair alone is no faster
     return None
 
 
@@ -204,12 +241,31 @@ class ExactSearchTooLarge(FxpoochError, ValueError):
     """The graph has more activations than the exact search accepts."""
 
 
+def repair(ev: Evaluator, decisions: list[Decision]) -> Candidate | None:
+    """The plan of ``decisions`` where it fits, else the fastest fitting plan one change away
+    (None: none). The MILP's point often misses the limit by a few bytes its model does not
+    see (a buffer of a chain, an op's scratch); a neighbour fits and keeps its structure."""
+    c = ev.evaluate(decisions)
+    if c is not None and c.fits:
+        return c
+    best = None
+    for a, act in enumerate(ev.graph.activations):
+        for d in Decision:
+            if d is decisions[a] or (d is Decision.SWAP and not act.swappable):
+                continue
+            c = ev.evaluate([*decisions[:a], d, *decisions[a + 1:]])
+            if c is not None and c.fits and (best is None or c.step_time < best.step_time):
+                best = c
+    return best
+
+
 def exact_search(problem: Problem, options: SearchOptions = SearchOptions(), work: float = math.inf) -> ExactResult:
     """Branch and bound as ``plan_exact``, on a graph of any size, stopped once ``work`` plans have
     been simulated and LPs solved (its seeds included): the best plan found and a proved bound.
 
     Seeds: PoocH's plan and the reference plans improved by local search, and (with
-    ``options.lp_bounds``) the MILP's point improved the same way; the MILP's dual bound joins
+    ``options.milp_nodes``) the MILP's point, :func:`repair`-ed where it does not fit, improved the
+    same way; the MILP's dual bound joins
     the root's. Best first, so the proved bound rises as fast as the bounds allow. Deterministic:
     the budget counts simulations and solves, not seconds. Where it runs out the result is not
     an optimum (``proved`` is False) but ``bound`` is still a lower bound on every fitting plan's
@@ -232,8 +288,8 @@ def exact_search(problem: Problem, options: SearchOptions = SearchOptions(), wor
     if fixed is not None and options.milp_nodes:
         milp_bound, point = fixed.milp([None] * len(problem.graph.activations), options.milp_nodes)
         root = max(root, milp_bound)
-        start = None if point is None else ev.evaluate(point)
-        if start is not None and start.fits:
+        start = None if point is None else repair(ev, point)
+        if start is not None:
             search.improve(local_search(ev, start, local_budget))
     search.fixed = fixed if options.lp_bounds else None
     out = search.run(work, best_first=True, root_bound=root)

@@ -1,0 +1,145 @@
+"""Valid inequalities of :func:`.lp.relaxation`'s model near the floor, where a plan must evict at
+many points at once and the copy streams and the recompute chains, not the compute, set the step
+time. Each holds at the point every fitting plan gives the model (see :mod:`.lp`), so the LP's and
+the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them):
+
+* *Cut ends.* Besides the cut where the in-core plan exceeds the limit most, each candidate set
+  also gets its first and last op where it exceeds it at all (``Bounds.timing_cuts``; every cut
+  holds on its own): the first bounds when the D2H copies must have ended, the last when the
+  prefetches may start. And an activation evicted at a backward cut is not on the device while
+  the cut's op runs, so its prefetch (an instruction of the compute stream, allocating when
+  issued) is issued after that op *ends*: the H2D chain of a backward cut starts at
+  ``θ_p + t_p``, not ``θ_p``.
+* *Streams.* Every swap's copies, evicted at a point or not. Offloads are issued after their
+  producers in program order, so in producer order the D2H stream's time ``F_j >= F_{j-1} +
+  d_j x_j^s`` and ``F_j >= release_j + d_j x_j^s``; a prefetch starts after its own offload ended
+  (the simulator's ``d2h_end``), so with ``U_j`` the D2H time if every earlier activation were
+  swapped (no minimal ``F_j`` exceeds it), ``G_j >= F_j + h_j x_j^s - U_j (1 - x_j^s)`` is a
+  swapped ``j``'s prefetch end, and compute runs ``j``'s first reader ``k`` after it: ``T >= G_j +
+  tail_k``, the first point after ``k`` no earlier than ``G_j`` plus the compute in between. Every
+  prefetch is issued after the forward ends (``φ``, at least every forward point's ``θ`` plus
+  the forward compute after it), so the copies of the swaps first read by ``k`` or earlier, in
+  whatever order the H2D stream runs them, end no earlier than ``φ`` plus their sum, and compute
+  reaches ``k`` after that.
+* *Chain reads.* A recompute chain that reads a swapped activation ``d`` makes it issue ``d``'s
+  (single) prefetch before that chain (``build_schedule``: a swap's first use is the earliest
+  chain that reads it), and ``d`` then stays on the device until its last reader. Every chain
+  that rebuilds ``c`` runs ``c``'s shortest chain (its ops with every other activation
+  available), which reads ``c``'s inputs; an input that is recomputed is rebuilt by then too (by
+  the same chain, or earlier and still held). So with ``q_bb = x_b^r`` and ``q_bc' >= q_bc +
+  x_c'^r - 1`` for ``c'`` an input of ``c``'s shortest chain (``q_bc = 1``: ``c``'s shortest chain
+  ran by ``b``'s first reader), a swapped input ``d`` of ``c`` is on the device at every
+  backward point from ``b``'s first reader's RUN on: ``s_dp + q_bc <= 1`` (at a rebuild point
+  of ``b``'s own first reader only when ``b``'s chain ran first, which is not known: left out).
+* *Head reads* (in :func:`.lp.relaxation`'s rebuild points). The rebuild point of ``u`` bounds
+  the evictions when *some* head's chain runs there by the least ``Bounds.rebuild`` bytes over
+  the heads first read by ``u``, over the candidates none of their chains reads. Per head ``a``
+  instead: if ``y_a = 1``, ``a``'s chain runs in ``u``'s group, and at its op where its buffers
+  are most it holds ``Bounds.rebuild(a)`` bytes with the inputs that op reads (and the chain's
+  unrecomputable inputs) on the device; the group issues no RUN, so nothing is freed in it and
+  what is absent then was absent at the group's start (the point's evictions). So the point's
+  evictions outside ``a``'s held inputs cover ``excess + rebuild(a)`` whenever ``y_a = 1``.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from typing import TYPE_CHECKING
+
+from ..schedule import chain_inputs
+from .bounds import Bounds
+
+if TYPE_CHECKING:
+    from .lp import Model, _Point
+
+
+def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
+             prefix: list[float], suffix: list[float], d2h: list[float], h2d: list[float]) -> None:
+    """Every swap's two copies, evicted at a point or not (the module docstring, *Streams*)."""
+    graph = bounds.ev.graph
+    acts = graph.activations
+    forward_end = max(stop for _, stop in graph.forward_range)
+    swaps = [a for a in range(len(acts)) if d2h[a] < math.inf and model.hi[x[("s", a)]] > 0]
+    if not swaps:
+        return
+    keys = [p.key for p in points]
+    phi = model.var()  # when the forward's last op ends
+    model.ge([(phi, 1.0)], prefix[forward_end])
+    for i, p in enumerate(points):
+        if p.forward:
+            model.ge([(phi, 1.0), (theta[i], -1.0)], prefix[forward_end] - prefix[p.op])
+
+    def reaches(k: int, done: int, extra: float) -> None:
+        """Compute runs backward op ``k`` no earlier than ``done + extra``: so does every later op."""
+        model.ge([(0, 1.0), (done, -1.0)], extra + suffix[k])
+        q = bisect.bisect_left(keys, (k, 1))  # the first point at or after k's RUN
+        if q < len(points):
+            model.ge([(theta[q], 1.0), (done, -1.0)], extra + prefix[points[q].op] - prefix[k])
+
+    # D2H in producer order (offloads are issued after their producers, in program order)
+    prev, upper = None, 0.0
+    for a in sorted(swaps, key=lambda a: (max(acts[a].members), a)):
+        release = prefix[max(acts[a].members) + 1]
+        f = model.var()
+        model.ge([(f, 1.0), (x[("s", a)], -d2h[a])], release)
+        if prev is not None:
+            model.ge([(f, 1.0), (prev, -1.0), (x[("s", a)], -d2h[a])], 0.0)
+        upper = max(upper, release) + d2h[a]  # no minimal D2H time exceeds it
+        prev = f
+        k = bounds.first_reader[a]
+        if k is None:
+            continue
+        # swapped: a's prefetch starts after its offload ended and compute waits for it before k
+        g = model.var()  # a's prefetch's end if swapped (else 0 at least)
+        model.ge([(g, 1.0), (f, -1.0), (x[("s", a)], -(upper + h2d[a]))], -upper)
+        reaches(k, g, 0.0)
+    # H2D: every prefetch is issued after the forward; those first read by k or earlier end
+    # before k runs, in whatever order they were copied
+    prev = phi
+    for a in sorted((a for a in swaps if bounds.first_reader[a] is not None), key=lambda a: (bounds.first_reader[a], a)):
+        e = model.var()
+        model.ge([(e, 1.0), (prev, -1.0), (x[("s", a)], -h2d[a])], 0.0)
+        reaches(bounds.first_reader[a], e, 0.0)
+        prev = e
+
+
+def read_by_chains(bounds: Bounds, model: Model, x: dict, points: list[_Point],
+                    evicted_swap: dict[tuple[int, int], int], rec: list[float]) -> None:
+    """A swap read by a chain is on the device from that chain on (the module docstring,
+    *Chain reads*): ``s_dp + q_bc <= 1`` for ``d`` read by ``c``'s shortest chain."""
+    graph, owner = bounds.ev.graph, bounds.ev.owner
+    fr = bounds.first_reader
+    n = len(graph.activations)
+    recomputable = [rec[a] < math.inf and model.hi[x[("r", a)]] > 0 for a in range(n)]
+    inputs = {c: chain_inputs(graph, c, owner) for c in range(n) if recomputable[c]}
+    backward = sorted((p.op, i) for i, p in enumerate(points) if not p.forward)
+    ops_of = [op for op, _ in backward]
+    for b in range(n):
+        if not recomputable[b] or fr[b] is None:
+            continue
+        # q[c]: c's shortest chain ran by b's first reader (b recomputed, and every activation on
+        # a path of chain inputs from b to c recomputed)
+        q = {b: x[("r", b)]}
+        queue = [b]
+        read: dict[int, list[int]] = {}  # swappable d -> the q of the chains that read it
+        while queue:
+            c = queue.pop(0)
+            for d in inputs[c]:
+                if recomputable[d] and d != b:
+                    if d not in q:
+                        q[d] = model.var(1.0)
+                        queue.append(d)
+                    model.ge([(q[d], 1.0), (q[c], -1.0), (x[("r", d)], -1.0)], -1.0)
+                if model.hi[x[("s", d)]] > 0 and fr[d] is not None and fr[d] > fr[b]:
+                    read.setdefault(d, []).append(q[c])
+        for d, qs in read.items():
+            rho = qs[0]
+            if len(qs) > 1:
+                rho = model.var(1.0)
+                for qc in qs:
+                    model.ge([(rho, 1.0), (qc, -1.0)], 0.0)
+            # every point from b's first reader's RUN (after its group) until d's first reader
+            for _, i in backward[bisect.bisect_left(ops_of, fr[b]):bisect.bisect_left(ops_of, fr[d])]:
+                p = points[i]
+                if (i, d) in evicted_swap and (p.op > fr[b] or not p.group):
+                    model.ge([(evicted_swap[(i, d)], -1.0), (rho, -1.0)], -1.0)
