@@ -37,6 +37,7 @@ from .memory import Margin
 from .pipeline import replan
 from .plan import Plan
 from .planners import Planner
+from .scratch import cpu_allocator_events, running_peak
 from .timing import ProfileOptions, thread_clock, wall_clock
 
 log = logging.getLogger("fxpooch.peakcheck")
@@ -74,12 +75,7 @@ def allocator_peak(device: torch.device, run: Callable[[], object]) -> int:
         return torch.cuda.max_memory_allocated(device) - before
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    events = [e for e in compat.profiler_events(prof) if e.name == compat.MEMORY_EVENT and e.device_type == "cpu"]
-    held = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns):  # stable: same-time events keep their order
-        held += e.nbytes
-        peak = max(peak, held)
-    return peak
+    return running_peak(cpu_allocator_events(compat.profiler_events(prof)))[0]
 
 
 def run_backward(outputs: list[object], held: bool) -> None:

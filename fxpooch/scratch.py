@@ -32,6 +32,23 @@ log = logging.getLogger("fxpooch.profile")
 RANGE_PREFIX = "fxpooch.scratch:"
 
 
+def cpu_allocator_events(events: list) -> list:
+    """The CPU allocator's events among the profiler's raw ``events``, in time order (stable:
+    events of the same time keep their order)."""
+    mine = [e for e in events if e.name == compat.MEMORY_EVENT and e.device_type == "cpu"]
+    return sorted(mine, key=lambda e: e.start_ns)
+
+
+def running_peak(events: list) -> tuple[int, int]:
+    """The largest running sum of the signed sizes of allocator ``events`` given in time order, and
+    the sum at the end: (peak, end), bytes above what was held before the first."""
+    held = peak = 0
+    for e in events:
+        held += e.nbytes
+        peak = max(peak, held)
+    return peak, held
+
+
 class ScratchMeter:
     """Measures the scratch of the calls it marks; ``result()`` is the largest per key, nonzero only."""
 
@@ -85,18 +102,13 @@ class CpuScratchMeter(ScratchMeter):
         events = compat.profiler_events(prof)
         ranges = sorted((e.start_ns, e.end_ns, self.keys[e.name]) for e in events if e.name in self.keys)
         starts = [r[0] for r in ranges]
-        deltas: dict[int, list[tuple[int, int]]] = {}  # range index -> (time, bytes) of its allocator events
-        for e in events:
-            if e.name != compat.MEMORY_EVENT or e.device_type != "cpu":
-                continue
+        deltas: dict[int, list] = {}  # range index -> its allocator events
+        for e in cpu_allocator_events(events):
             r = bisect.bisect_right(starts, e.start_ns) - 1
             if r >= 0 and e.start_ns <= ranges[r][1]:
-                deltas.setdefault(r, []).append((e.start_ns, e.nbytes))
-        for r, timed in deltas.items():
-            held = peak = 0
-            for _, nbytes in sorted(timed, key=lambda t: t[0]):  # stable: same-time events keep their order
-                held += nbytes
-                peak = max(peak, held)
+                deltas.setdefault(r, []).append(e)
+        for r, inside in deltas.items():
+            peak, held = running_peak(inside)
             self.record(ranges[r][2], peak - max(held, 0))
 
     @contextlib.contextmanager
