@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .inputs import KINETICS_CLASSES, RGB
-from .vision import bottleneck_forward, bottleneck_layers
+from .vision import bottleneck_forward, bottleneck_layers, init_residual
 
 
 # ============================================================================ 3D ResNeXt
@@ -57,12 +57,7 @@ class ResNeXt3d(nn.Module):
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.avgpool = nn.AdaptiveAvgPool3d((1, 1, 1))
         self.fc = nn.Linear(self.inplanes, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv3d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm3d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_residual(self)
 
     def _make_layer(self, planes: int, mid: int, cardinality: int, blocks: int,
                     stride: int) -> nn.Sequential:

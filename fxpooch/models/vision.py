@@ -24,6 +24,17 @@ def bottleneck_layers(block: nn.Module, conv: type[nn.Module], norm: type[nn.Mod
     block.downsample = downsample
 
 
+def init_residual(model: nn.Module) -> None:
+    """The residual networks' initialisation: He-normal convolutions (fan out), batch norms at
+    weight 1 and bias 0, in module order."""
+    for m in model.modules():
+        if isinstance(m, (nn.Conv2d, nn.Conv3d)):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, (nn.BatchNorm2d, nn.BatchNorm3d)):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
 def bottleneck_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """conv-norm-relu twice, conv-norm, plus the (downsampled) input, relu."""
     identity = x if block.downsample is None else block.downsample(x)
@@ -71,12 +82,7 @@ class ResNet(nn.Module):
             self._make_layer(p, n, s) for p, n, s in zip(self.STAGE_PLANES, layers, strides))
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(self.STAGE_PLANES[-1] * Bottleneck.expansion, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        init_residual(self)
 
     def _make_layer(self, planes: int, blocks: int, stride: int) -> nn.Sequential:
         downsample = None
