@@ -356,3 +356,9 @@ def profiler_events(prof: Any) -> list[ProfilerEvent]:
         out.append(ProfilerEvent(name, e.start_ns(), e.start_ns() + e.duration_ns(),
                                  str(e.device_type()).rsplit(".", 1)[-1].lower(), e.nbytes() if memory else 0))
     return out
+
+
+def profiler_active() -> bool:
+    """Whether an autograd profiler (``torch.profiler.profile``) is running: a second one started
+    inside it would end its session."""
+    return torch.autograd._profiler_enabled()

@@ -16,18 +16,21 @@ The profile times the graphs op by op, unfused (inductor's CNN step ran 2.4 time
 predicted), so the first measured step also calibrates the costs (:func:`calibrated`): every op's
 time is scaled by the step's measured time over its predicted time, and the step is planned again
 on those costs (the same plan and compiled code where the schedule does not change).
+
+A ``torch.compile`` backend owns no step to run: :class:`LiveCheck` drives the same search
+(:func:`fitting`, a generator sent each measurement) over the caller's own steps.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from . import _torch_compat as compat
 from .bytesize import format_bytes
@@ -63,19 +66,68 @@ class Measured:
         return max(0, self.peak_bytes - self.plan.peak_bytes)
 
 
+#: the ``record_function`` name marking where a measured span ends
+END_MARK = "fxpooch.peakcheck:end"
+
+
+class AllocatorMeter:
+    """The allocator's peak on ``device`` from :meth:`start` to :meth:`end`, above what it held at the
+    start (CUDA: ``max_memory_allocated``; CPU: the profiler's allocator events summed in time order),
+    read by :meth:`stop`.
+
+    The calls may come from different places: a step's first forward, its last backward. On CPU,
+    :meth:`end` marks the span's end in the profiler and :meth:`stop` must come later, outside any
+    backward: the autograd engine runs a backward on a copy of the calling thread's profiler state and
+    puts the caller's back after it, so a profiler stopped inside would stay enabled on the thread."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._before = 0
+        self._peak: int | None = None
+        self._profiler: profile | None = None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._before = torch.cuda.memory_allocated(self.device)
+        else:
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.start()
+
+    def end(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._peak = torch.cuda.max_memory_allocated(self.device) - self._before
+        else:
+            with record_function(END_MARK):
+                pass
+
+    def stop(self) -> int:
+        """The peak (on CPU, the events up to the end mark, all of them if :meth:`end` was not called)."""
+        if self.device.type == "cuda":
+            if self._peak is None:
+                self.end()
+            return self._peak
+        prof, self._profiler = self._profiler, None
+        if prof is None:
+            raise RuntimeError("AllocatorMeter.stop() without start()")
+        prof.stop()
+        events = compat.profiler_events(prof)
+        cut = min((e.start_ns for e in events if e.name == END_MARK), default=None)
+        return running_peak(cpu_allocator_events([e for e in events if cut is None or e.start_ns <= cut]))[0]
+
+
 def allocator_peak(device: torch.device, run: Callable[[], object]) -> int:
     """Bytes the allocator of ``device`` held at most while ``run()`` ran, above what it held before
-    (CUDA: ``max_memory_allocated``; CPU: the profiler's allocator events summed in time order)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
+    (:class:`AllocatorMeter`)."""
+    meter = AllocatorMeter(device)
+    meter.start()
+    try:
         run()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    return running_peak(cpu_allocator_events(compat.profiler_events(prof)))[0]
+    finally:
+        peak = meter.stop()
+    return peak
 
 
 def run_backward(outputs: list[object], held: bool) -> None:
@@ -155,19 +207,37 @@ def most_frugal(plan: Plan, planner: str | Planner) -> Plan:
 def fit_measured(plan: Plan, measure: Callable[[Plan], tuple[int, float]], *, rounds: int,
                  planner: str | Planner, margin: Margin, calibrate: bool = True) -> Measured:
     """``plan`` if its compiled step (``measure(plan)``: the measured peak and seconds) fits the
-    limit less ``margin``, else a plan made again with the memory measured above the plan kept free,
-    up to ``rounds`` times, and last the planner's most frugal plan (:func:`most_frugal`).
-    ``calibrate``: the first step measured scales the costs (:func:`calibrated`); a plan whose
-    schedule that changes is measured in its turn (not a round). Raises
+    limit less ``margin``, else the plan :func:`fitting` makes next, measured in its turn. Raises
     :class:`InfeasibleMemoryLimit` naming the lowest measured peak (a limit that plan met) when none
     fits."""
+    search = fitting(plan, rounds=rounds, planner=planner, margin=margin, calibrate=calibrate)
+    plan = next(search)
+    while True:
+        try:
+            plan = search.send(measure(plan))
+        except StopIteration as done:
+            return done.value
+
+
+def fitting(plan: Plan, *, rounds: int, planner: str | Planner, margin: Margin,
+            calibrate: bool = True) -> Generator[Plan, tuple[int, float], Measured]:
+    """The search :func:`fit_measured` drives, as a generator for callers whose measurements come
+    later (a ``torch.compile`` backend measures the caller's own steps): it yields each plan to
+    measure and is sent its step's (peak bytes, seconds); it returns the first :class:`Measured`
+    within the limit less ``margin``.
+
+    After ``plan``, a plan made again with the memory measured above the plan kept free, up to
+    ``rounds`` times, and last the planner's most frugal plan (:func:`most_frugal`). ``calibrate``:
+    the first step measured scales the costs (:func:`calibrated`); a plan whose schedule that changes
+    is measured in its turn (not a round). Raises :class:`InfeasibleMemoryLimit` naming the lowest
+    measured peak when none fits."""
     limit = plan.mem_limit
     target = limit - margin.of(limit)
     tried: list[Measured] = []
     extra = round_ = 0
     frugal = False  # the most frugal plan was measured
     while True:
-        found = Measured(plan, *measure(plan))
+        found = Measured(plan, *(yield plan))
         log.info("round %d: the compiled step measured %d bytes, planned %d, limit %d (less the margin: %d)",
                  round_, found.peak_bytes, plan.peak_bytes, limit, target)
         if calibrate and plan.step_time > 0:
@@ -194,10 +264,76 @@ def fit_measured(plan: Plan, measure: Callable[[Plan], tuple[int, float]], *, ro
     best = min(tried, key=lambda m: m.peak_bytes)
     raise InfeasibleMemoryLimit(
         limit, best.peak_bytes, (), found.plan.planner, margin_bytes=margin.of(limit),
-        note=(f"Measured on the example inputs, the compiled step took up to "
+        note=(f"Measured, the compiled step took up to "
               f"{format_bytes(max(t.undercount for t in tried))} more than its plan counts (the compiled code's "
               f"own buffers and scratch); of {len(tried)} plans tried the lowest peak measured was "
               f"{format_bytes(best.peak_bytes)}."))
+
+
+class LiveCheck:
+    """The search of :func:`fitting` over a caller's own training steps, for a ``torch.compile``
+    backend, which owns no step to run: :meth:`begin` before a step of :attr:`plan` starts, :meth:`end`
+    after its last backward, :meth:`collect` outside the backward (before the next step).
+
+    The :data:`MEASURED_STEPS`-th step of each plan is measured (the first fills the host pool and
+    makes the compiled code's lazy state) and the search is sent its peak; :meth:`collect` returns the
+    plan for the next steps while it is above the limit, and raises :class:`InfeasibleMemoryLimit`
+    when no plan fits. The measured step has run: its peak may be above the limit, which is what the
+    measurement finds. Costs are not calibrated: a step under the CPU profiler runs slower."""
+
+    def __init__(self, plan: Plan, device: torch.device, *, rounds: int, planner: str | Planner, margin: Margin):
+        self.device = device
+        self._search = fitting(plan, rounds=rounds, planner=planner, margin=margin, calibrate=False)
+        #: the plan the next steps run
+        self.plan: Plan = next(self._search)
+        #: every step measured, in order
+        self.measured: list[Measured] = []
+        #: the measured step within the limit, once found
+        self.result: Measured | None = None
+        self._runs = 0
+        self._meter: AllocatorMeter | None = None
+        self._ended = False
+
+    def begin(self) -> None:
+        """A step of :attr:`plan` starts (before its first forward)."""
+        self._runs += 1
+        if self.result is not None or self._runs != MEASURED_STEPS:
+            return
+        if self.device.type == "cpu" and compat.profiler_active():
+            log.info("a profiler is running: the step's peak is measured in a later step")
+            self._runs -= 1
+            return
+        self._meter, self._ended = AllocatorMeter(self.device), False
+        self._meter.start()
+
+    def end(self) -> None:
+        """The step's last backward has run."""
+        if self._meter is not None:
+            self._meter.end()
+            self._ended = True
+
+    def abandon(self) -> None:
+        """The step that began ended otherwise (no backward, or other graphs ran): not measured."""
+        meter, self._meter = self._meter, None
+        if meter is not None:
+            meter.stop()
+            self._runs -= 1
+
+    def collect(self) -> Plan | None:
+        """After :meth:`end`, outside the backward: the plan to run from the next step on, if it changes."""
+        if not self._ended:
+            self.abandon()
+            return None
+        meter, self._meter, self._ended = self._meter, None, False
+        peak = meter.stop() + self.plan.graph.resident_bytes
+        self.measured.append(Measured(self.plan, peak, 0.0))
+        try:
+            plan = self._search.send((peak, 0.0))
+        except StopIteration as done:
+            self.result = done.value
+            return None
+        self.plan, self._runs = plan, 0
+        return plan
 
 
 def _tighter(found: Measured, target: int, extra: int, again: bool, planner: str | Planner,

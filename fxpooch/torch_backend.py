@@ -21,6 +21,11 @@ A pair whose backward is still to run is never re-bound, and each plan runs on i
 forward with its own backward. Costs are analytic (the roofline of ``hardware``, the host preset
 on CPU) or a saved :class:`~fxpooch.profile.Profile`: a graph is planned before it first runs, so it
 cannot be timed in situ. The rewritten graphs are compiled by inductor by default (``codegen``).
+
+Inductor's code takes memory no graph node has, so with it each whole-step plan's second step is
+measured (:class:`~fxpooch.peakcheck.LiveCheck`: the allocator's peak, read as the next step starts)
+and, while it is above the limit, the following steps run a plan made again with the excess kept
+free (``peak_check_rounds``).
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from . import _torch_compat as compat
+from . import peakcheck
 from .api import _Planned, _profile_and_plan
 from .capture import GraphPair, Recorder
 from .codegen import compile_inference, decompositions
@@ -45,6 +51,7 @@ from .memory import MemoryModel
 from .options import CompileOptions
 from .pipeline import TracedStep
 from .plan import Plan
+from .planned import sharing_code
 from .runtime import HostPool, Runtime
 from .units import parse_bytes, parse_limit
 
@@ -88,6 +95,7 @@ class _Step:
     inputs: _Storages = None  # type: ignore[assignment]
     outputs: _Storages = None  # type: ignore[assignment]  # all of them: user outputs and saved values
     made: set[int] = field(default_factory=set)  # storages of the user outputs (the next graphs' inputs)
+    check: peakcheck.LiveCheck | None = None  # measuring this step's peak, if its pairs are the checked plan's
 
     def __post_init__(self) -> None:
         self.inputs, self.outputs = _Storages(self.memory, self.device), _Storages(self.memory, self.device)
@@ -143,6 +151,11 @@ class Backend:
         self._last: _Planned | None = None
         self._step: _Step | None = None
         self._done: tuple[tuple[GraphPair, ...], int] | None = None  # a finished step still to plan as one
+        #: with inductor, the measured-step check of each whole-step plan (:class:`~fxpooch.peakcheck.LiveCheck`:
+        #: its ``measured`` steps, its ``result`` once one fits the limit)
+        self.checks: dict[tuple[GraphPair, ...], peakcheck.LiveCheck] = {}
+        self._variants: dict[tuple[GraphPair, ...], list[_Planned]] = {}  # the plans each check compiled
+        self._ended: tuple[tuple[GraphPair, ...], peakcheck.LiveCheck] | None = None  # a measured step to read
         #: plans made after the first one
         self.replans = 0
 
@@ -183,14 +196,23 @@ class Backend:
     # -- planning --------------------------------------------------------------------------
     def _on_forward(self, pair: GraphPair, args: list[Any]) -> Callable[[list[Any]], Any]:
         device = _device(args)
+        if self._ended is not None:
+            (pairs, check), self._ended = self._ended, None
+            self._measured(pairs, check)
         if self._step is not None and pair in self._step.pairs and self._step.reads_made(args):
             raise _repeated_graph_error(pair)
         if self._step is None or pair in self._step.pairs:  # a new step (the last one's backward never ran)
+            if self._step is not None and self._step.check is not None:
+                self._step.check.abandon()
             self._step = _Step(MemoryModel.for_device(device), device)
         step = self._step
         if not step.pairs and self._done is not None:
             self._plan_finished_step(device)
         planned = self._covering(step.pairs, pair)
+        check = self.checks.get(planned.key[0]) if not step.pairs and planned is not None else None
+        if check is not None and check.result is None:  # a step of a plan still to measure
+            step.check = check
+            check.begin()
         if planned is None:
             planned = self._plan_alone(pair, device, step.held_bytes(args))
         planned.bind(only=pair, runtime=self._runtime_of(planned))
@@ -210,6 +232,9 @@ class Backend:
         if step is not None and step.pairs and pair is step.pairs[0]:  # the step's last backward
             self._done = (tuple(step.pairs), step.resident_bytes())
             self._step = None
+            if step.check is not None:  # read before the next step, outside the backward
+                step.check.end()
+                self._ended = tuple(step.pairs), step.check
 
     def _covering(self, ran: list[GraphPair], pair: GraphPair) -> _Planned | None:
         """A whole-step plan whose pairs start with ``ran`` then ``pair`` (the current one first)."""
@@ -233,7 +258,28 @@ class Backend:
         if pairs in self.plans:
             return
         log.info("planning the %d graph(s) of the last step as one step", len(pairs))
-        self._current = self.plans[pairs] = self._make(list(pairs), device, resident)
+        self._current = self.plans[pairs] = planned = self._make(list(pairs), device, resident)
+        options = self.options
+        if options.codegen == "inductor" and options.peak_check_rounds and device.type in ("cpu", "cuda"):
+            self.checks[pairs] = peakcheck.LiveCheck(planned.plan, device, rounds=options.peak_check_rounds,
+                                                     planner=options.planner, margin=options.margin_for(device))
+            self._variants[pairs] = [planned]
+
+    def _measured(self, pairs: tuple[GraphPair, ...], check: peakcheck.LiveCheck) -> None:
+        """A step that ``check`` measured (or not) has ended: from the next step on, run the plan it
+        chose; raises :class:`~fxpooch.errors.InfeasibleMemoryLimit` when no plan fits."""
+        if self.checks.get(pairs) is not check:  # the step ran other graphs than the plan measured
+            check.abandon()
+            return
+        try:
+            plan = check.collect()
+        except Exception:
+            del self.checks[pairs]
+            raise
+        if check.result is not None:
+            log.info("the step measured %d bytes, within the limit of %d", check.result.peak_bytes, check.plan.mem_limit)
+        if plan is not None:
+            self._current = self.plans[pairs] = sharing_code(self.plans[pairs], plan, self._variants[pairs])
 
     def _make(self, pairs: list[GraphPair], device: torch.device, resident: int) -> _Planned:
         made = len(self.plans) + len(self._alone)

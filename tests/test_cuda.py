@@ -159,15 +159,17 @@ def test_offloaded_buffer_is_not_reused_before_its_copy(delayed: str):
 
 
 # -- (b) measured peaks over a sweep of limits ---------------------------------------------------
-def measured_peak(cm: fxpooch.CompiledModule, model: torch.nn.Module, x: torch.Tensor) -> int:
-    """``max_memory_allocated`` of one step, counted like the plan: resident bytes + the step's
-    own, without what other tests or the cuBLAS workspace hold on the device."""
+def measured_peak(cm: fxpooch.CompiledModule, model: torch.nn.Module, x: torch.Tensor,
+                  plan: fxpooch.Plan | None = None) -> int:
+    """``max_memory_allocated`` of one step, counted like the plan (``cm.plan`` unless given):
+    resident bytes + the step's own, without what other tests or the cuBLAS workspace hold on the
+    device."""
     step(cm, model, x)  # warm-up: pool blocks, cuBLAS workspaces, lazy kernels
     model.zero_grad(set_to_none=True)
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    outside = torch.cuda.memory_allocated() - cm.plan.graph.resident_bytes
+    outside = torch.cuda.memory_allocated() - (plan or cm.plan).graph.resident_bytes
     torch.cuda.reset_peak_memory_stats()
     step(cm, model, x)
     torch.cuda.synchronize()
@@ -300,3 +302,33 @@ def test_link_calibration_is_timed_per_direction_and_cached():
     model, x = cuda_zoo("mlp")
     profile = compile_cuda(model, x, device_memory(), profile="measure").plan.profile
     assert profile.link is link
+
+
+# -- (f) inductor's compiled steps, measured by the allocator ---------------------------------
+INDUCTOR_RTOL, INDUCTOR_ATOL = 1e-3, 1e-3  # inductor's kernels sum in other orders than eager's
+
+
+def test_inductor_steps_measure_within_the_limit_on_both_paths():
+    """``fxpooch.compile(..., codegen="inductor")`` checks its compiled step before returning; the
+    ``torch.compile`` backend checks the caller's steps. Either way the steps after the check measure
+    (``max_memory_allocated``) within the limit, with eager's gradients."""
+    model, x = cuda_zoo("resnet_small")
+    eager = copy.deepcopy(model)
+    floor, in_core = floor_and_in_core(model, x)
+    limit = (floor + in_core) // 2
+    step(eager, eager, x)
+
+    compiled_model = copy.deepcopy(model)
+    cm = fxpooch.compile(compiled_model, x, limit, codegen="inductor", hardware=HARDWARE)
+    assert measured_peak(cm, compiled_model, x) <= limit, cm.plan.counts()
+
+    backend = fxpooch.backend(limit, hardware=HARDWARE)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    for _ in range(8):  # each plan's second step is measured, read as the next starts
+        step(compiled, model, x)
+    (check,) = backend.checks.values()
+    assert check.result is not None and check.result.peak_bytes <= limit, check.measured
+    assert measured_peak(compiled, model, x, backend.plan) <= limit
+    for p, q, r in zip(compiled_model.parameters(), model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=INDUCTOR_RTOL, atol=INDUCTOR_ATOL)
+        torch.testing.assert_close(q.grad, r.grad, rtol=INDUCTOR_RTOL, atol=INDUCTOR_ATOL)

@@ -156,3 +156,67 @@ def test_the_measured_step_time_scales_the_costs():
 def test_peak_check_rounds_is_checked():
     with pytest.raises(fxpooch.InvalidOption, match="peak_check_rounds"):
         fxpooch.CompileOptions(peak_check_rounds=-1)
+
+
+# -- the torch.compile backend: the caller's own steps are measured ---------------------------------
+def train_steps(cm, model: nn.Module, x: torch.Tensor, steps: int) -> None:
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        cm(x).backward()
+
+
+def backend_peak(cm, backend, model: nn.Module, x: torch.Tensor) -> int:
+    """A step's peak by the benchmarks' profiler meter, resident bytes included."""
+    model.zero_grad(set_to_none=True)
+    return backend.plan.graph.resident_bytes + step_peak(lambda: cm(x).backward())
+
+
+def test_backend_steps_fit_the_limit_once_a_step_is_measured():
+    model, x = conv_net()
+    # the costs and scratch of a measured profile, so that the in-core plan is the one fxpooch.compile makes
+    profile = fxpooch.compile(copy.deepcopy(model), x, LIMIT, codegen="inductor", peak_check_rounds=0).plan.profile
+    unchecked_model = copy.deepcopy(model)
+    unchecked = fxpooch.backend(LIMIT, profile=profile, peak_check_rounds=0)
+    cm = torch.compile(unchecked_model, backend=unchecked, dynamic=False)
+    train_steps(cm, unchecked_model, x, 3)
+    assert not unchecked.checks and unchecked.plan.counts()["swap"] == 0
+    assert unchecked.plan.peak_bytes <= LIMIT < backend_peak(cm, unchecked, unchecked_model, x)
+
+    eager = copy.deepcopy(model)
+    backend = fxpooch.backend(LIMIT, profile=profile)
+    cm = torch.compile(model, backend=backend, dynamic=False)
+    # step 1 runs each graph's own plan, step 2 the whole-step plan, step 3 is measured (the one before
+    # filled the host pool), over the limit: from step 4 a plan with the excess kept free runs, measured
+    # in step 5 and read as step 6 starts
+    train_steps(cm, model, x, 6)
+    (check,) = backend.checks.values()
+    assert [m.plan.counts()["swap"] for m in check.measured] == [0, 1]
+    assert check.measured[0].peak_bytes > LIMIT >= check.measured[1].peak_bytes
+    assert check.result == check.measured[1] and backend.plan is check.result.plan
+    assert backend.plan.margin_bytes > 0
+    assert backend_peak(cm, backend, model, x) == check.result.peak_bytes  # the independent meter agrees
+    eager.zero_grad(set_to_none=True)
+    eager(x).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-3)
+
+
+def test_backend_names_the_limit_its_measured_steps_meet():
+    model, x = conv_net()
+    backend = fxpooch.backend(LIMIT)  # analytic costs: no op's scratch is planned, the code takes more
+    first = copy.deepcopy(model)
+    cm = torch.compile(first, backend=backend, dynamic=False)
+    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:
+        train_steps(cm, first, x, 8)
+    floor = e.value.min_feasible_bytes
+    assert floor > LIMIT and "more than its plan counts" in str(e.value)
+    assert not backend.checks  # the check is over: the next steps run unchecked, as before it
+
+    backend = fxpooch.backend(floor)
+    cm = torch.compile(model, backend=backend, dynamic=False)
+    # the limit is what the most frugal plan measured: the in-core plan (measured in step 3) is not
+    # within it, the most frugal one (measured in step 5, read as step 6 starts) is
+    train_steps(cm, model, x, 6)
+    (check,) = backend.checks.values()
+    assert check.result is not None and check.result.peak_bytes <= floor, (floor, check.measured)
+    assert backend_peak(cm, backend, model, x) <= floor
