@@ -4,6 +4,7 @@ reference plans it starts from.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from types import SimpleNamespace
@@ -15,7 +16,7 @@ from stepgraphs import CONV, RELU, chain
 from fxpooch.errors import InfeasibleMemoryLimit
 from fxpooch.planners import Evaluator, Problem, get_planner
 from fxpooch.planners.common import simulation_budget
-from fxpooch.planners.search import SearchOptions, halves, plan_local, repeated_groups
+from fxpooch.planners.search import SearchOptions, group_descent, group_search, halves, plan_local, repeated_groups
 from fxpooch.schedule import Decision
 from fxpooch.simulator import in_core_peak_bytes
 
@@ -76,6 +77,43 @@ def test_local_beats_every_plan_uniform_over_repeated_blocks(blocks, xfer, fract
     local = plan_local(prob, SearchOptions(work=1, min_simulations=60))
     assert local.fits and local.timeline.peak_bytes <= prob.mem_limit
     assert local.step_time <= min(uniform) * (1 + 1e-12)
+
+
+def random_chain(blocks: int, fw: tuple[float, float], xfer: float):
+    """``blocks`` repeats of (conv, a random op: dropout, say, so never recomputed), 2 MiB each,
+    forward times ``fw``, backward 0.5 s and 4 s, then a 0.5 s loss; each copy ``xfer`` s."""
+    graph, costs = chain(list(fw) * blocks, [0.5, 4.0] * blocks, [2] * (2 * blocks), [(xfer, xfer)] * (2 * blocks),
+                         loss=0.5, targets=[CONV, RELU] * blocks)
+    ops = tuple(dataclasses.replace(op, recomputable=False) if op.target == RELU else op for op in graph.ops)
+    return dataclasses.replace(graph, ops=ops), costs
+
+
+@pytest.mark.parametrize("fw, xfer, fraction, expected", [
+    # in core 8 x (0.5 + 0.5) + 0.5 + 8 x 4.5 = 44.5 s, and the 8 convolutions again: 8 x 0.5 s
+    ((0.5, 0.5), 6.0, 0.7, 44.5 + 8 * 0.5),
+    ((0.5, 0.5), 3.0, 0.65, 44.5 + 8 * 0.5),
+    # in core 8 x 0.7 + 0.5 + 36 = 42.1 s, and 8 x 0.2 s
+    ((0.2, 0.5), 6.0, 0.65, 42.1 + 8 * 0.2),
+])
+def test_group_search_trades_two_groups(fw, xfer, fraction, expected):
+    """From the plan that keeps the convolutions and swaps the random outputs, no single group
+    move helps: keeping the random outputs too misses the limit, recomputing the convolutions
+    too only adds time. Trading the two groups (recompute every convolution, keep every random
+    output: the same bytes freed, no copy to wait for) is the plan group search reaches."""
+    graph, costs = random_chain(8, fw, xfer)
+    ev = Evaluator(Problem(graph, costs, int(in_core_peak_bytes(graph) * fraction)))
+    convs, randoms = repeated_groups(ev)
+    assert [graph.ops[graph.activations[g[0]].producer].target for g in (convs, randoms)] == [CONV, RELU]
+    decisions = [K] * len(graph.activations)
+    for a in randoms:
+        decisions[a] = S
+    seed = ev.evaluate(decisions)
+    assert seed.fits and seed.step_time > expected
+    assert group_descent(ev, seed, [convs, randoms], 10**6) is seed  # no single group move helps
+    found = group_search(ev, seed, 10**6)
+    assert found.fits and found.timeline.peak_bytes <= ev.problem.mem_limit
+    assert [found.decisions[a] for a in convs] == [R] * 8 and [found.decisions[a] for a in randoms] == [K] * 8
+    assert found.step_time == pytest.approx(expected, abs=1e-9)
 
 
 class _Clock:

@@ -14,8 +14,10 @@ measures how far the heuristics are from it.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import FxpoochError, InfeasibleMemoryLimit
@@ -168,11 +170,20 @@ def halves(groups: list[list[int]]) -> list[list[int]]:
     return [part for g in groups for part in (g[:len(g) // 2], g[len(g) // 2:]) if len(part) > 1]
 
 
+def _with_group(decisions: Sequence[Decision], acts, group: list[int], d: Decision) -> list[Decision]:
+    """``decisions`` with every member of ``group`` set to ``d`` (those that cannot be swapped
+    keep theirs when ``d`` is swap)."""
+    out = list(decisions)
+    for a in group:
+        if d is not Decision.SWAP or acts[a].swappable:
+            out[a] = d
+    return out
+
+
 def group_descent(ev: Evaluator, seed: Candidate, groups: list[list[int]], stop_at: int) -> Candidate:
     """First-improvement descent where each move sets a whole group to keep, swap or recompute,
     until no move helps or ``ev.simulations`` reaches ``stop_at``."""
     best = seed
-    acts = ev.graph.activations
     improved = True
     while improved and ev.simulations < stop_at:
         improved = False
@@ -180,26 +191,47 @@ def group_descent(ev: Evaluator, seed: Candidate, groups: list[list[int]], stop_
             for d in Decision:
                 if ev.simulations >= stop_at:
                     break
-                members = [a for a in group if d is not Decision.SWAP or acts[a].swappable]
-                if all(best.decisions[a] is d for a in members):
+                trial = _with_group(best.decisions, ev.graph.activations, group, d)
+                if trial == list(best.decisions):
                     continue
-                trial = list(best.decisions)
-                for a in members:
-                    trial[a] = d
                 c = ev.evaluate(trial)
                 if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
                     best, improved = c, True
     return best
 
 
+def group_trades(ev: Evaluator, best: Candidate, groups: list[list[int]], stop_at: int) -> Candidate | None:
+    """The first faster fitting plan that sets two groups of the same shape (as many members,
+    as many bytes each: the same part of the same layers) to new whole-group decisions together,
+    largest groups first; or None. This is the move that no single group move makes where
+    either change alone misses the limit or is slower: keep every layer's attention dropout
+    output (random, so never recomputed) and recompute the softmax of the same bytes instead."""
+    acts, buffers = ev.graph.activations, ev.graph.buffers
+    shape = [(len(g), buffers[acts[g[0]].buffer].nbytes) for g in groups]
+    pairs = [(g, h) for (i, g), (j, h) in itertools.combinations(enumerate(groups), 2) if shape[i] == shape[j]]
+    for (g, h), (dg, dh) in itertools.product(pairs, itertools.product(Decision, repeat=2)):
+        trial = _with_group(_with_group(best.decisions, acts, g, dg), acts, h, dh)
+        if not all(any(trial[a] is not best.decisions[a] for a in group) for group in (g, h)):
+            continue  # one group's move alone: the descent's
+        if ev.simulations >= stop_at:
+            return None
+        c = ev.evaluate(trial)
+        if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
+            return c
+    return None
+
+
 def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
-    """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group to
-    keep, swap or recompute: a few simulations cover every layer of a deep model, however deep.
-    Whole groups first until no move helps, then their halves as well (a plan that differs
-    between the input-side and output-side layers)."""
+    """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group (or two
+    of the same shape together, :func:`group_trades`) to keep, swap or recompute: a few
+    simulations cover every layer of a deep model, however deep. Whole groups first until no
+    move helps, then their halves as well (a plan that differs between the input-side and
+    output-side layers)."""
     stop_at = ev.simulations + simulations
     groups = repeated_groups(ev)
     best = group_descent(ev, seed, groups, stop_at)
+    while (traded := group_trades(ev, best, groups, stop_at)) is not None:
+        best = group_descent(ev, traded, groups, stop_at)
     best = group_descent(ev, best, groups + halves(groups), stop_at)
     log.info("group search: %.4g s -> %.4g s (%d kinds, %d simulations)", seed.step_time, best.step_time,
              len(groups), ev.simulations - stop_at + simulations)
