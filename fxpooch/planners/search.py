@@ -201,15 +201,17 @@ def group_descent(ev: Evaluator, seed: Candidate, groups: list[list[int]], stop_
 
 
 def group_trades(ev: Evaluator, best: Candidate, groups: list[list[int]], stop_at: int) -> Candidate | None:
-    """The first faster fitting plan that sets two groups of the same shape (as many members,
-    as many bytes each: the same part of the same layers) to new whole-group decisions together,
-    largest groups first; or None. This is the move that no single group move makes where
-    either change alone misses the limit or is slower: keep every layer's attention dropout
-    output (random, so never recomputed) and recompute the softmax of the same bytes instead."""
+    """The first faster fitting plan that trades memory between two groups of the same shape (as
+    many members, as many bytes each: the same part of the same layers): one group kept whole,
+    the other swapped or recomputed whole; largest groups first; or None. No single group move
+    makes it where either change alone misses the limit or is slower: keep every layer's
+    attention dropout output (random, so never recomputed) and recompute the softmax of the same
+    bytes instead."""
     acts, buffers = ev.graph.activations, ev.graph.buffers
     shape = [(len(g), buffers[acts[g[0]].buffer].nbytes) for g in groups]
     pairs = [(g, h) for (i, g), (j, h) in itertools.combinations(enumerate(groups), 2) if shape[i] == shape[j]]
-    for (g, h), (dg, dh) in itertools.product(pairs, itertools.product(Decision, repeat=2)):
+    K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
+    for (g, h), (dg, dh) in itertools.product(pairs, [(K, S), (K, R), (S, K), (R, K)]):  # one kept, one freed
         trial = _with_group(_with_group(best.decisions, acts, g, dg), acts, h, dh)
         if not all(any(trial[a] is not best.decisions[a] for a in group) for group in (g, h)):
             continue  # one group's move alone: the descent's
@@ -230,9 +232,10 @@ def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     stop_at = ev.simulations + simulations
     groups = repeated_groups(ev)
     best = group_descent(ev, seed, groups, stop_at)
+    parts = groups + halves(groups)
+    best = group_descent(ev, best, parts, stop_at)
     while (traded := group_trades(ev, best, groups, stop_at)) is not None:
-        best = group_descent(ev, traded, groups, stop_at)
-    best = group_descent(ev, best, groups + halves(groups), stop_at)
+        best = group_descent(ev, traded, parts, stop_at)
     log.info("group search: %.4g s -> %.4g s (%d kinds, %d simulations)", seed.step_time, best.step_time,
              len(groups), ev.simulations - stop_at + simulations)
     return best
