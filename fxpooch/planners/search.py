@@ -2,7 +2,8 @@
 
 ``local`` starts from the best of PoocH's plan and the reference plans (swap-all, sqrt(n)
 checkpointing, recompute everything), applies changes to groups of activations that repeat
-across blocks (a layer's attention scores in every layer, say), then single-activation changes
+across blocks (a layer's attention scores in every layer, say) and trades between two such
+groups of the same shape (one kept, the other freed), then single-activation changes
 (keep / swap / recompute) that make the simulated step faster while the peak stays under the limit, until no
 change helps or its budget (op-simulations, so the plan does not depend on the machine) is
 spent; on graphs small enough it then runs the exact search's branch and bound from that plan
