@@ -79,10 +79,10 @@ def test_local_beats_every_plan_uniform_over_repeated_blocks(blocks, xfer, fract
     assert local.step_time <= min(uniform) * (1 + 1e-12)
 
 
-def random_chain(blocks: int, fw: tuple[float, float], xfer: float):
-    """``blocks`` repeats of (conv, a random op: dropout, say, so never recomputed), 2 MiB each,
+def random_chain(blocks: int, fw: tuple[float, float], xfer: float, mib: tuple[int, int] = (2, 2)):
+    """``blocks`` repeats of (conv, a random op: dropout, say, so never recomputed) of ``mib``,
     forward times ``fw``, backward 0.5 s and 4 s, then a 0.5 s loss; each copy ``xfer`` s."""
-    graph, costs = chain(list(fw) * blocks, [0.5, 4.0] * blocks, [2] * (2 * blocks), [(xfer, xfer)] * (2 * blocks),
+    graph, costs = chain(list(fw) * blocks, [0.5, 4.0] * blocks, list(mib) * blocks, [(xfer, xfer)] * (2 * blocks),
                          loss=0.5, targets=[CONV, RELU] * blocks)
     ops = tuple(dataclasses.replace(op, recomputable=False) if op.target == RELU else op for op in graph.ops)
     return dataclasses.replace(graph, ops=ops), costs
@@ -114,6 +114,29 @@ def test_group_search_trades_two_groups(fw, xfer, fraction, expected):
     assert found.fits and found.timeline.peak_bytes <= ev.problem.mem_limit
     assert [found.decisions[a] for a in convs] == [R] * 8 and [found.decisions[a] for a in randoms] == [K] * 8
     assert found.step_time == pytest.approx(expected, abs=1e-9)
+
+
+@pytest.mark.parametrize("xfer, mib, fraction", [(6.0, (3, 2), 0.75), (3.0, (2, 1), 0.8), (6.0, (2, 1), 0.8)])
+def test_group_search_trades_groups_of_different_shapes(xfer, mib, fraction):
+    """Convolution outputs larger than the random outputs: no two groups have the same shape and
+    no single group or half group move helps the plan that swaps every random output. Keeping
+    those and recomputing the first half of the convolutions (freeing as many bytes) does:
+    in core 44.5 s plus 4 convolutions again, 0.5 s each."""
+    graph, costs = random_chain(8, (0.5, 0.5), xfer, mib)
+    ev = Evaluator(Problem(graph, costs, int(in_core_peak_bytes(graph) * fraction)))
+    groups = repeated_groups(ev)
+    convs, randoms = sorted(groups, key=lambda g: graph.ops[graph.activations[g[0]].producer].target != CONV)
+    decisions = [K] * len(graph.activations)
+    for a in randoms:
+        decisions[a] = S
+    seed = ev.evaluate(decisions)
+    assert seed.fits and seed.step_time > 44.5 + 4 * 0.5
+    assert group_descent(ev, seed, groups + halves(groups), 10**6) is seed  # no single group move helps
+    found = group_search(ev, seed, 10**6)
+    assert found.fits and found.timeline.peak_bytes <= ev.problem.mem_limit
+    assert [found.decisions[a] for a in convs] == [R] * 4 + [K] * 4
+    assert [found.decisions[a] for a in randoms] == [K] * 8
+    assert found.step_time == pytest.approx(44.5 + 4 * 0.5, abs=1e-9)
 
 
 class _Clock:

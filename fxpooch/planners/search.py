@@ -224,6 +224,31 @@ def group_trades(ev: Evaluator, best: Candidate, groups: list[list[int]], stop_a
     return None
 
 
+def balanced_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop_at: int) -> Candidate | None:
+    """The first faster fitting plan that keeps one group or half group whole and swaps or
+    recomputes another, disjoint one that keeps at least as many bytes now; the trades that free
+    the fewest bytes more than they keep first; or None. What :func:`group_trades` does for
+    groups of any shape (keep a ResNet's twelve 1x1-convolution outputs of one stage, recompute
+    two of the larger stage's instead)."""
+    acts, buffers = ev.graph.activations, ev.graph.buffers
+    nbytes = [buffers[act.buffer].nbytes for act in acts]
+    kept = [sum(nbytes[a] for a in p if best.decisions[a] is Decision.KEEP) for p in parts]
+    freed = [sum(nbytes[a] for a in p if best.decisions[a] is not Decision.KEEP) for p in parts]
+    trades = sorted((kept[j] - freed[i], i, j, d) for i in range(len(parts)) if freed[i]
+                    for j in range(len(parts)) if kept[j] >= freed[i] and not set(parts[i]) & set(parts[j])
+                    for d in (Decision.RECOMPUTE, Decision.SWAP))
+    for _, i, j, d in trades:
+        trial = _with_group(_with_group(best.decisions, acts, parts[i], Decision.KEEP), acts, parts[j], d)
+        if trial == list(best.decisions):
+            continue
+        if ev.simulations >= stop_at:
+            return None
+        c = ev.evaluate(trial)
+        if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
+            return c
+    return None
+
+
 def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group (or two
     of the same shape together, :func:`group_trades`) to keep, swap or recompute: a few
@@ -234,9 +259,11 @@ def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     groups = repeated_groups(ev)
     best = group_descent(ev, seed, groups, stop_at)
     parts = groups + halves(groups)
-    best = group_descent(ev, best, parts, stop_at)
     while (traded := group_trades(ev, best, groups, stop_at)) is not None:
-        best = group_descent(ev, traded, parts, stop_at)
+        best = group_descent(ev, traded, groups, stop_at)
+    while (traded := balanced_trades(ev, best, parts, stop_at)) is not None:
+        best = group_descent(ev, traded, groups, stop_at)
+    best = group_descent(ev, best, parts, stop_at)
     log.info("group search: %.4g s -> %.4g s (%d kinds, %d simulations)", seed.step_time, best.step_time,
              len(groups), ev.simulations - stop_at + simulations)
     return best
