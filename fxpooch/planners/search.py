@@ -3,7 +3,7 @@
 ``local`` starts from the best of PoocH's plan and the reference plans (swap-all, sqrt(n)
 checkpointing, recompute everything), applies changes to groups of activations that repeat
 across blocks (a layer's attention scores in every layer, say) and trades between two such
-groups of the same shape (one kept, the other freed), then single-activation changes
+groups (one kept, the other freed), then single-activation changes
 (keep / swap / recompute) that make the simulated step faster while the peak stays under the limit, until no
 change helps or its budget (op-simulations, so the plan does not depend on the machine) is
 spent; on graphs small enough it then runs the exact search's branch and bound from that plan
@@ -250,11 +250,13 @@ def balanced_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop
 
 
 def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
-    """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group (or two
-    of the same shape together, :func:`group_trades`) to keep, swap or recompute: a few
-    simulations cover every layer of a deep model, however deep. Whole groups first until no
-    move helps, then their halves as well (a plan that differs between the input-side and
-    output-side layers)."""
+    """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group to
+    keep, swap or recompute: a few simulations cover every layer of a deep model, however deep.
+    Whole groups until no move helps; then trades, one group kept and another freed, between
+    groups of the same shape (:func:`group_trades`) and between groups or half groups that free
+    at least what they keep (:func:`balanced_trades`); then the halves' moves as well (a plan
+    that differs between the input-side and output-side layers). Each trade found is followed
+    by the whole groups' moves again."""
     stop_at = ev.simulations + simulations
     groups = repeated_groups(ev)
     best = group_descent(ev, seed, groups, stop_at)
