@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import FxpoochError, InfeasibleMemoryLimit
@@ -212,16 +212,14 @@ def group_trades(ev: Evaluator, best: Candidate, groups: list[list[int]], stop_a
     shape = [(len(g), buffers[acts[g[0]].buffer].nbytes) for g in groups]
     pairs = [(g, h) for (i, g), (j, h) in itertools.combinations(enumerate(groups), 2) if shape[i] == shape[j]]
     K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
-    for (g, h), (dg, dh) in itertools.product(pairs, [(K, S), (K, R), (S, K), (R, K)]):  # one kept, one freed
-        trial = _with_group(_with_group(best.decisions, acts, g, dg), acts, h, dh)
-        if not all(any(trial[a] is not best.decisions[a] for a in group) for group in (g, h)):
-            continue  # one group's move alone: the descent's
-        if ev.simulations >= stop_at:
-            return None
-        c = ev.evaluate(trial)
-        if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
-            return c
-    return None
+
+    def trials():
+        for (g, h), (dg, dh) in itertools.product(pairs, [(K, S), (K, R), (S, K), (R, K)]):  # one kept, one freed
+            trial = _with_group(_with_group(best.decisions, acts, g, dg), acts, h, dh)
+            if all(any(trial[a] is not best.decisions[a] for a in group) for group in (g, h)):
+                yield trial  # else one group's move alone: the descent's
+
+    return _first_faster(ev, best, trials(), stop_at)
 
 
 def balanced_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop_at: int) -> Candidate | None:
@@ -237,10 +235,15 @@ def balanced_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop
     trades = sorted((kept[j] - freed[i], i, j, d) for i in range(len(parts)) if freed[i]
                     for j in range(len(parts)) if kept[j] >= freed[i] and not set(parts[i]) & set(parts[j])
                     for d in (Decision.RECOMPUTE, Decision.SWAP))
-    for _, i, j, d in trades:
-        trial = _with_group(_with_group(best.decisions, acts, parts[i], Decision.KEEP), acts, parts[j], d)
-        if trial == list(best.decisions):
-            continue
+    trials = (_with_group(_with_group(best.decisions, acts, parts[i], Decision.KEEP), acts, parts[j], d)
+              for _, i, j, d in trades)
+    return _first_faster(ev, best, (t for t in trials if t != list(best.decisions)), stop_at)
+
+
+def _first_faster(ev: Evaluator, best: Candidate, trials: Iterable[list[Decision]], stop_at: int) -> Candidate | None:
+    """The first of ``trials`` that fits and is faster than ``best``; None once ``ev.simulations``
+    reaches ``stop_at`` or none is."""
+    for trial in trials:
         if ev.simulations >= stop_at:
             return None
         c = ev.evaluate(trial)
