@@ -15,10 +15,9 @@ measures how far the heuristics are from it.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import FxpoochError, InfeasibleMemoryLimit
@@ -201,33 +200,14 @@ def group_descent(ev: Evaluator, seed: Candidate, groups: list[list[int]], stop_
     return best
 
 
-def group_trades(ev: Evaluator, best: Candidate, groups: list[list[int]], stop_at: int) -> Candidate | None:
-    """The first faster fitting plan that trades memory between two groups of the same shape (as
-    many members, as many bytes each: the same part of the same layers): one group kept whole,
-    the other swapped or recomputed whole; largest groups first; or None. No single group move
-    makes it where either change alone misses the limit or is slower: keep every layer's
-    attention dropout output (random, so never recomputed) and recompute the softmax of the same
-    bytes instead."""
-    acts, buffers = ev.graph.activations, ev.graph.buffers
-    shape = [(len(g), buffers[acts[g[0]].buffer].nbytes) for g in groups]
-    pairs = [(g, h) for (i, g), (j, h) in itertools.combinations(enumerate(groups), 2) if shape[i] == shape[j]]
-    K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
-
-    def trials():
-        for (g, h), (dg, dh) in itertools.product(pairs, [(K, S), (K, R), (S, K), (R, K)]):  # one kept, one freed
-            trial = _with_group(_with_group(best.decisions, acts, g, dg), acts, h, dh)
-            if all(any(trial[a] is not best.decisions[a] for a in group) for group in (g, h)):
-                yield trial  # else one group's move alone: the descent's
-
-    return _first_faster(ev, best, trials(), stop_at)
-
-
-def balanced_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop_at: int) -> Candidate | None:
+def group_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop_at: int) -> Candidate | None:
     """The first faster fitting plan that keeps one group or half group whole and swaps or
     recomputes another, disjoint one that keeps at least as many bytes now; the trades that free
-    the fewest bytes more than they keep first; or None. What :func:`group_trades` does for
-    groups of any shape (keep a ResNet's twelve 1x1-convolution outputs of one stage, recompute
-    two of the larger stage's instead)."""
+    the fewest bytes more than they keep first; or None. No single group move makes a trade
+    where either change alone misses the limit or is slower: keep every layer's attention
+    dropout output (random, so never recomputed) and recompute the softmax of the same bytes
+    instead; keep a ResNet stage's twelve 1x1-convolution outputs and recompute two of a larger
+    stage's."""
     acts, buffers = ev.graph.activations, ev.graph.buffers
     nbytes = [buffers[act.buffer].nbytes for act in acts]
     kept = [sum(nbytes[a] for a in p if best.decisions[a] is Decision.KEEP) for p in parts]
@@ -235,15 +215,10 @@ def balanced_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop
     trades = sorted((kept[j] - freed[i], i, j, d) for i in range(len(parts)) if freed[i]
                     for j in range(len(parts)) if kept[j] >= freed[i] and not set(parts[i]) & set(parts[j])
                     for d in (Decision.RECOMPUTE, Decision.SWAP))
-    trials = (_with_group(_with_group(best.decisions, acts, parts[i], Decision.KEEP), acts, parts[j], d)
-              for _, i, j, d in trades)
-    return _first_faster(ev, best, (t for t in trials if t != list(best.decisions)), stop_at)
-
-
-def _first_faster(ev: Evaluator, best: Candidate, trials: Iterable[list[Decision]], stop_at: int) -> Candidate | None:
-    """The first of ``trials`` that fits and is faster than ``best``; None once ``ev.simulations``
-    reaches ``stop_at`` or none is."""
-    for trial in trials:
+    for _, i, j, d in trades:
+        trial = _with_group(_with_group(best.decisions, acts, parts[i], Decision.KEEP), acts, parts[j], d)
+        if trial == list(best.decisions):
+            continue
         if ev.simulations >= stop_at:
             return None
         c = ev.evaluate(trial)
@@ -255,18 +230,15 @@ def _first_faster(ev: Evaluator, best: Candidate, trials: Iterable[list[Decision
 def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group to
     keep, swap or recompute: a few simulations cover every layer of a deep model, however deep.
-    Whole groups until no move helps; then trades, one group kept and another freed, between
-    groups of the same shape (:func:`group_trades`) and between groups or half groups that free
-    at least what they keep (:func:`balanced_trades`); then the halves' moves as well (a plan
-    that differs between the input-side and output-side layers). Each trade found is followed
-    by the whole groups' moves again."""
+    Whole groups until no move helps; then trades, one group or half group kept and another
+    freed (:func:`group_trades`), each followed by the whole groups' moves again; then the
+    halves' moves as well (a plan that differs between the input-side and output-side
+    layers)."""
     stop_at = ev.simulations + simulations
     groups = repeated_groups(ev)
     best = group_descent(ev, seed, groups, stop_at)
     parts = groups + halves(groups)
-    while (traded := group_trades(ev, best, groups, stop_at)) is not None:
-        best = group_descent(ev, traded, groups, stop_at)
-    while (traded := balanced_trades(ev, best, parts, stop_at)) is not None:
+    while (traded := group_trades(ev, best, parts, stop_at)) is not None:
         best = group_descent(ev, traded, groups, stop_at)
     best = group_descent(ev, best, parts, stop_at)
     log.info("group search: %.4g s -> %.4g s (%d kinds, %d simulations)", seed.step_time, best.step_time,
