@@ -116,6 +116,30 @@ def test_group_search_trades_two_groups(fw, xfer, fraction, expected):
     assert found.step_time == pytest.approx(expected, abs=1e-9)
 
 
+@pytest.mark.parametrize("xfer, fraction, simulations, swapped", [
+    (0.8, 0.6, 25, ["a1", "a2", "a3", "a4"]),
+    (1.5, 0.6, 25, ["a1", "a2", "a3", "a4"]),
+    (2.0, 0.6, 25, ["a1", "a2", "a3", "a4"]),
+    (1.5, 0.8, 15, ["a1", "a3"]),
+])
+def test_group_search_leaves_the_halves_a_share_of_the_budget(xfer, fraction, simulations, swapped):
+    """Four blocks, everything swapped to start. Swapping the input-side blocks only hides every
+    copy behind compute: the step takes in-core time, 4 x 2.5 + 0.5 + 4 x 4.5 = 28.5 s, which
+    nothing beats. Only the halves' moves reach that plan; trades that find nothing may take at
+    most half the simulations left, so the halves' descent still runs (it got none, and the
+    step took 29.5 s, when the trades could take them all)."""
+    graph, costs = deep_chain(4, xfer)
+    ev = Evaluator(Problem(graph, costs, int(in_core_peak_bytes(graph) * fraction)))
+    seed = ev.evaluate(ev.all_swap())
+    assert seed.fits and seed.step_time > 28.5
+    found = group_search(ev, seed, simulations)
+    assert ev.simulations <= simulations + 1  # the seed's simulation, and the budget
+    assert found.fits and found.timeline.peak_bytes <= ev.problem.mem_limit
+    assert found.step_time == pytest.approx(28.5, abs=1e-9)
+    assert [act.name for act, d in zip(graph.activations, found.decisions) if d is S] == swapped
+    assert all(d is K for act, d in zip(graph.activations, found.decisions) if act.name not in swapped)
+
+
 @pytest.mark.parametrize("xfer, mib, fraction", [(6.0, (3, 2), 0.75), (3.0, (2, 1), 0.8), (6.0, (2, 1), 0.8)])
 def test_group_search_trades_groups_of_different_shapes(xfer, mib, fraction):
     """Convolution outputs larger than the random outputs: no two groups have the same shape and

@@ -231,14 +231,16 @@ def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group to
     keep, swap or recompute: a few simulations cover every layer of a deep model, however deep.
     Whole groups until no move helps; then trades, one group or half group kept and another
-    freed (:func:`group_trades`), each followed by the whole groups' moves again; then the
-    halves' moves as well (a plan that differs between the input-side and output-side
-    layers)."""
+    freed (:func:`group_trades`), each followed by the whole groups' moves again, within half
+    the simulations left; then the halves' moves as well (a plan that differs between the
+    input-side and output-side layers) with the rest. Near the floor most trades miss the limit:
+    without that share they took every simulation left and the halves' descent none (GPT-2 at
+    24 layers planned 4.9% slower at its floor)."""
     stop_at = ev.simulations + simulations
     groups = repeated_groups(ev)
     best = group_descent(ev, seed, groups, stop_at)
     parts = groups + halves(groups)
-    while (traded := group_trades(ev, best, parts, stop_at)) is not None:
+    while (traded := group_trades(ev, best, parts, ev.simulations + (stop_at - ev.simulations) // 2)) is not None:
         best = group_descent(ev, traded, groups, stop_at)
     best = group_descent(ev, best, parts, stop_at)
     log.info("group search: %.4g s -> %.4g s (%d kinds, %d simulations)", seed.step_time, best.step_time,
