@@ -121,8 +121,9 @@ def linked(ev: Evaluator, best: Candidate, order: list[int], stop_at: int) -> Ca
     """The first faster fitting plan that sets an activation and one its shortest recompute chain
     reads to the same new decision (recompute a convolution's output together with the ReLU
     output it reads: one chain, where recomputing either alone frees too little or costs a
-    longer chain), with, where that alone misses the limit, one change to an activation those
-    two chains read or read with them (a batch norm's saved statistics beside its ReLU output);
+    longer chain), with, where that alone misses the limit, one change to the outputs of an op
+    those two chains read or read with them (a batch norm's saved mean and inverse deviation,
+    beside its ReLU output: swapped together rather than rebuilt by a chain of their own);
     or None. ``order``: largest first."""
     acts = ev.graph.activations
     inputs = [chain_inputs(ev.graph, a, ev.owner) for a in range(len(acts))]
@@ -130,17 +131,22 @@ def linked(ev: Evaluator, best: Candidate, order: list[int], stop_at: int) -> Ca
     for c, read in enumerate(inputs):
         for a in read:
             readers.setdefault(a, set()).add(c)
+    outputs: dict[int, list[int]] = {}  # an op's saved outputs, decided together
+    for a, act in enumerate(acts):
+        outputs.setdefault(act.producer, []).append(a)
     for b in order:
         for a in inputs[b]:
-            near = sorted({*inputs[a], *inputs[b], *(c for i in inputs[a] + inputs[b] for c in readers[i])} - {a, b})
+            near = {*inputs[a], *inputs[b], *(c for i in inputs[a] + inputs[b] for c in readers[i])} - {a, b}
+            units = sorted({tuple(c for c in outputs[acts[n].producer] if c not in (a, b)) for n in near})
             for d in Decision:
                 if best.decisions[a] is d or best.decisions[b] is d or (
                         d is Decision.SWAP and not (acts[a].swappable and acts[b].swappable)):
                     continue  # one change: tried already
                 trial = list(best.decisions)
                 trial[a] = trial[b] = d
-                tries = [trial] + [[*trial[:c], e, *trial[c + 1:]] for c in near for e in Decision
-                                   if e is not trial[c] and (e is not Decision.SWAP or acts[c].swappable)]
+                tries = [trial] + [_with_group(trial, acts, list(u), e) for u in units for e in Decision
+                                   if any(trial[c] is not e for c in u)
+                                   and (e is not Decision.SWAP or all(acts[c].swappable for c in u))]
                 for t in tries:
                     if ev.simulations >= stop_at:
                         return None
