@@ -72,11 +72,12 @@ undecided activation), and the order is fixed when those intervals do not interl
 """
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..graph import Phase
 from ..schedule import Decision, Kind, NotRecomputable, chain_ops, recompute_chain
@@ -119,25 +120,19 @@ class RebuildPoint:
     heads: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
 
-class _Curve:
-    """Cheapest-first cost of ``x`` bytes from items ``(seconds, bytes)``, each divisible."""
+def _curve(items: Sequence[tuple[float, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Cheapest-first cost of evicting x bytes from items ``(seconds, bytes)``, each divisible:
+    the breakpoints ``(bytes, seconds)`` of a convex piecewise-linear curve from (0, 0)."""
+    cost, nbytes = np.array(items, dtype=float).reshape(-1, 2).T
+    some = nbytes > 0
+    cost, nbytes = cost[some], nbytes[some]
+    order = np.argsort(cost / nbytes, kind="stable")
+    return np.concatenate([[0.0], np.cumsum(nbytes[order])]), np.concatenate([[0.0], np.cumsum(cost[order])])
 
-    def __init__(self, items: Sequence[tuple[float, int]]):
-        self.xs, self.ys = [0.0], [0.0]
-        for cost, nbytes in sorted((it for it in items if it[1] > 0), key=lambda it: it[0] / it[1]):
-            self.xs.append(self.xs[-1] + nbytes)
-            self.ys.append(self.ys[-1] + cost)
 
-    @property
-    def capacity(self) -> float:
-        return self.xs[-1]
-
-    def __call__(self, x: float) -> float:
-        if x <= 0.0:
-            return 0.0
-        k = min(bisect.bisect_left(self.xs, x), len(self.xs) - 1)
-        x0, x1, y0, y1 = self.xs[k - 1], self.xs[k], self.ys[k - 1], self.ys[k]
-        return y1 if x >= x1 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+def _at(curve: tuple[np.ndarray, np.ndarray], x: np.ndarray) -> np.ndarray:
+    """The curve at each of ``x`` (its last cost beyond its capacity)."""
+    return np.interp(x, *curve)
 
 
 def split_bound(before: float, between: float, after: float, excess: float,
@@ -151,29 +146,32 @@ def split_bound(before: float, between: float, after: float, excess: float,
     activations first read by op ``k`` or earlier; ``tail_k`` is the compute from op ``k`` on
     (those copies end before it starts). The level with every copy and no tail is always
     included. Infinite when the candidates cannot evict ``excess`` bytes.
+
+    ``s`` bytes swapped, the rest recomputed: every curve is linear between breakpoints, so
+    the minimum lies at a breakpoint or where the two sides of a max cross between two.
     """
     if excess <= 0:
         return before + between + after
-    d, r = _Curve([(x, n) for x, _, n, _ in swap]), _Curve(recompute)
-    lo, hi = max(0.0, excess - r.capacity), min(float(excess), d.capacity)
+    d, r = _curve([(x, n) for x, _, n, _ in swap]), _curve(recompute)
+    lo, hi = max(0.0, excess - r[0][-1]), min(float(excess), d[0][-1])
     if lo > hi:
         return math.inf
+    inner = np.concatenate([d[0], excess - r[0]])
     out = 0.0
     for k, tail in [(math.inf, 0.0), *tails]:
-        h = _Curve([(y if due <= k else 0.0, n) for _, y, n, due in swap])
-
-        def phi(s: float) -> float:
-            return max(before, d(s)) + between + max(after + r(excess - s), h(s) + tail)
-
-        pts = sorted({lo, hi, *(x for x in d.xs + h.xs if lo < x < hi),
-                      *(excess - x for x in r.xs if lo < excess - x < hi)})
-        best = min(phi(s) for s in pts)
-        for a, b in zip(pts, pts[1:]):  # every curve is linear on [a, b]: the sides of a max may cross inside
-            for f in (lambda s: d(s) - before, lambda s: after + r(excess - s) - h(s) - tail):
-                fa, fb = f(a), f(b)
-                if fa * fb < 0:
-                    best = min(best, phi(a + (b - a) * fa / (fa - fb)))
-        out = max(out, best)
+        h = _curve([(y if due <= k else 0.0, n) for _, y, n, due in swap])
+        pts = np.unique(np.concatenate([[lo, hi], inner, h[0]]))
+        pts = pts[(pts >= lo) & (pts <= hi)]
+        dev, rec, copies = _at(d, pts) - before, after + _at(r, excess - pts), _at(h, pts) + tail
+        best = float(np.min(np.maximum(dev, 0.0) + np.maximum(rec, copies)))
+        for f in (dev, rec - copies):  # a sign change between two breakpoints: the sides cross there
+            cross = np.flatnonzero(f[:-1] * f[1:] < 0)
+            if cross.size:
+                a, b, fa, fb = pts[cross], pts[cross + 1], f[cross], f[cross + 1]
+                at = a + (b - a) * fa / (fa - fb)
+                phi = np.maximum(_at(d, at) - before, 0.0) + np.maximum(after + _at(r, excess - at), _at(h, at) + tail)
+                best = min(best, float(np.min(phi)))
+        out = max(out, before + between + best)
     return out
 
 
