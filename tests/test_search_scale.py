@@ -123,8 +123,8 @@ def test_group_search_trades_two_groups(fw, xfer, fraction, expected):
     (1.5, 0.8, 15, ["a1", "a3"]),
 ])
 def test_group_search_leaves_the_halves_a_share_of_the_budget(xfer, fraction, simulations, swapped):
-    """Four blocks, everything swapped to start. Swapping the input-side blocks only hides every
-    copy behind compute: the step takes in-core time, 4 x 2.5 + 0.5 + 4 x 4.5 = 28.5 s, which
+    """Four blocks, everything swapped to start. Swapping activations of the input-side blocks
+    only hides every copy behind compute: the step takes in-core time, 4 x 2.5 + 0.5 + 4 x 4.5 = 28.5 s, which
     nothing beats. Only the halves' moves reach that plan; trades that find nothing may take at
     most half the simulations left, so the halves' descent still runs (it got none, and the
     step took 29.5 s, when the trades could take them all)."""

@@ -237,11 +237,12 @@ def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group to
     keep, swap or recompute: a few simulations cover every layer of a deep model, however deep.
     Whole groups until no move helps; then trades, one group or half group kept and another
-    freed (:func:`group_trades`), each followed by the whole groups' moves again, within half
-    the simulations left; then the halves' moves as well (a plan that differs between the
-    input-side and output-side layers) with the rest. Near the floor most trades miss the limit:
-    without that share they took every simulation left and the halves' descent none (GPT-2 at
-    24 layers planned 4.9% slower at its floor)."""
+    freed (:func:`group_trades`), each followed by the whole groups' moves again, a scan that
+    finds no trade taking at most half the simulations left when it starts; then the halves'
+    moves as well (a plan that differs between the input-side and output-side layers) with the
+    rest. Near the floor most trades miss the limit: without that share a fruitless scan took
+    every simulation left and the halves' descent none (GPT-2 at 24 layers planned 4.9% slower
+    at its floor)."""
     stop_at = ev.simulations + simulations
     groups = repeated_groups(ev)
     best = group_descent(ev, seed, groups, stop_at)
