@@ -195,7 +195,8 @@ def _exact_task(task: tuple) -> list[tuple[int, dict]]:
 
 
 def fill_exact(path: str, jobs: int, only: set[str] | None) -> list[dict]:
-    """The exact columns of the saved gap rows that have neither an optimum nor them, in ``jobs`` processes."""
+    """The exact columns of the saved gap rows that have no optimum and no exact search yet, in
+    ``jobs`` processes."""
     with open(path) as f:
         data = json.load(f)
     rows = data["rows"]
