@@ -55,15 +55,16 @@ from fxpooch.planners.search import exact_search  # noqa: E402
 
 POINTS = (0.0, 0.25, 0.5)  # limit = floor + point * (in-core - floor)
 #: the budgeted exact search's work per row, in op-simulations (a simulation of an n-op step
-#: counts n; an LP solved counts as a simulation): about 12 CPU seconds on this project's machine
-EXACT_WORK = 1_000_000
+#: counts n; a bound evaluated or an LP solved counts as a simulation): seconds to a few minutes
+#: a row on this project's machine
+EXACT_WORK = 3_000_000
 #: the LP and the MILP run on graphs of at most this many activations (the cut bound on all)
 MILP_UP_TO = 150
 #: HiGHS's wall-clock limit per MILP; past it the bound it has proved is used (GPT-2 at 2 layers,
 #: 49 activations, proves its floor's MILP in about 50 s)
 MILP_SECONDS = 90.0
 #: the gap part runs the exact search on graphs of at most this many activations (the test zoo:
-#: seconds to two minutes a row); on larger ones, ``--part exact`` (hours on GPT-2 at 2 layers)
+#: seconds to minutes a row); on larger ones, ``--part exact``
 EXACT_IN_GAP_UP_TO = 30
 TEST_ZOO = ["test:cnn_bn", "test:mlp", "test:resnet_small", "test:transformer_block"]
 FULL = [("convnet-8", 32), ("gpt2-2L", 8), *((name, 0) for name in TEST_ZOO)]

@@ -74,3 +74,30 @@ def test_fixed_lp_bound_stays_below_every_completion(name):
         milp_bound, point = fixed.milp([None] * len(graph.activations), node_limit=100)
         assert milp_bound <= min(times.values(), default=math.inf) * (1 + 1e-12)
         assert point is None or len(point) == len(graph.activations)
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_the_budget_counts_every_bound_so_it_bounds_the_time(name, monkeypatch):
+    """Most children are cut by a bound without a simulation, so a budget of simulations alone
+    leaves the time unbounded: every bound evaluated is work, and a stopped search overshoots its
+    budget by at most one node's children (a bound, a keep completion and an LP each)."""
+    import fxpooch.planners.search as search
+
+    calls = []
+
+    class Counted(Bounds):
+        def bound(self, decided=None):
+            calls.append(1)
+            return super().bound(decided)
+
+    monkeypatch.setattr(search, "Bounds", Counted)
+    graph, costs = GRAPHS[name]()
+    for fraction in FRACTIONS:
+        prob = at_fraction(graph, costs, fraction)
+        seeded = exact_search(prob, OPTIONS["cuts"], work=0).work  # the seeds and the root's bound
+        full = exact_search(prob, OPTIONS["cuts"])
+        for work in sorted({full.work // 2, full.work - 1}):
+            calls.clear()
+            part = exact_search(prob, OPTIONS["cuts"], work=work)
+            assert part.work >= len(calls), (fraction, work)
+            assert part.work <= max(work, seeded) + 3 * len(Decision), (fraction, work)

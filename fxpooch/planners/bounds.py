@@ -192,6 +192,7 @@ class Bounds:
         for o in reversed(range(len(graph.ops))):
             self.suffix[o] = self.suffix[o + 1] + costs.op_time[o]
         self.cuts, self.timing_cuts = self._cuts(ev.all_keep())
+        self.evaluations = 0  # calls of ``bound``: a search's work (each costs about a simulation)
         log.debug("%d cuts (%d more for timing) over %d ops", len(self.cuts), len(self.timing_cuts), len(graph.ops))
 
     def recompute_costs(self, decided: Partial) -> list[float]:
@@ -380,6 +381,7 @@ class Bounds:
 
         Infinite when none fits. With nothing decided it bounds every plan.
         """
+        self.evaluations += 1
         decided = [None] * len(self.nbytes) if decided is None else decided
         recompute = self.recompute_costs(decided)
         out = self.compute + sum(recompute[a] for a, d in enumerate(decided) if d is Decision.RECOMPUTE)

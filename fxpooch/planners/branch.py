@@ -10,7 +10,9 @@ the child). A child whose bound is no better than the best plan found is cut.
 
 Two orders: depth first (the children best bound first, which finds better plans soonest) or
 best first (the open node of least bound, which raises the proved bound soonest). Budgets count
-work, not seconds: plans simulated (with or without the limit) and LPs solved. When the budget
+work, not seconds: plans simulated (with or without the limit), bounds evaluated and LPs solved,
+so a search's time is bounded by its budget (most children are cut by a bound without a
+simulation: on GPT-2 at 2 layers, about 11 nodes per simulation). When the budget
 runs out, every fitting plan is either in an explored or cut subtree (no faster than the best
 plan found) or in an open one (no faster than its bound), so the least of the best plan's step
 time and the open nodes' bounds is a proved bound on the optimum.
@@ -43,7 +45,7 @@ class ExactResult:
     bound: float
     proved: bool
     nodes: int  # partial plans expanded (leaves included)
-    work: int  # plans simulated (with or without the limit) and LPs solved: what the budget counts
+    work: int  # plans simulated (with or without the limit), bounds evaluated and LPs solved: what the budget counts
 
     @property
     def gap(self) -> float:
@@ -65,7 +67,7 @@ class BranchAndBound:
 
     @property
     def work(self) -> int:
-        return self.ev.simulations + (0 if self.fixed is None else self.fixed.solves)
+        return self.ev.simulations + self.bounds.evaluations + (0 if self.fixed is None else self.fixed.solves)
 
     @property
     def incumbent(self) -> float:
@@ -130,6 +132,7 @@ class BranchAndBound:
 
 def branch_and_bound(ev: Evaluator, seed: Candidate | None, stop_at: float = math.inf) -> ExactResult:
     """Depth first from ``seed`` (the best plan known; None: none) with the cut bounds, until
-    ``stop_at`` simulations: ``local``'s last step."""
+    ``stop_at`` work (``ev``'s simulations so far and the bounds this search evaluates):
+    ``local``'s last step."""
     bounds = Bounds(ev)
     return BranchAndBound(ev, bounds, seed).run(stop_at, root_bound=bounds.bound())
