@@ -247,10 +247,14 @@ class Bounds:
         return sched, at, mem, span
 
     def _cuts(self, keep: Sequence[Decision]) -> tuple[list[Cut], list[Cut]]:
-        """One cut per set of candidates: the op where the in-core plan exceeds the limit most; and
-        the first and the last ops with that set where it exceeds it at all, where not the same
-        op (every cut holds on its own; :mod:`.lp` times its copies at these too: the first
-        bounds when the D2H copies end, the last when the prefetches may start)."""
+        """One cut per set of candidates in the forward and one in the backward: the op where the
+        in-core plan exceeds the limit most; and, for :mod:`.lp` to time its copies at, the ops
+        with that set where the excess first reaches each new high (it bounds when the D2H copies
+        have ended: an earlier op with as much to evict is a stricter deadline) and the last one
+        (when the prefetches may start). Every cut holds on its own.
+
+        A forward and a backward op may have the same candidates (everything saved, around the
+        loss), but not the same deadlines: they are cut apart."""
         graph, ev = self.ev.graph, self.ev
         _, at, mem, span = self._layout(keep)
         acts = graph.activations
@@ -259,9 +263,9 @@ class Bounds:
             prefix.append(prefix[-1] + t)
         forward_end = max(stop for _, stop in graph.forward_range)
         base = graph.resident_bytes - ev.problem.mem_limit
-        chosen: dict[tuple[int, ...], Cut] = {}
-        first: dict[tuple[int, ...], Cut] = {}
-        last: dict[tuple[int, ...], Cut] = {}
+        chosen: dict[tuple[bool, tuple[int, ...]], Cut] = {}
+        rising: dict[tuple[bool, tuple[int, ...]], list[Cut]] = {}
+        last: dict[tuple[bool, tuple[int, ...]], Cut] = {}
         for c in range(len(graph.ops)):
             i = at[c]
             backward = c >= forward_end
@@ -278,13 +282,16 @@ class Bounds:
                 continue
             between = prefix[forward_end] - prefix[c] if not backward else 0.0
             cut = Cut(c, backward, prefix[c], between, prefix[-1] - prefix[c] - between, excess, cand)
-            old = chosen.get(cand)
+            key = (backward, cand)  # a forward and a backward cut may evict the same set, by different times
+            old = chosen.get(key)
             if old is None or excess > old.excess:
-                chosen[cand] = cut
-            first.setdefault(cand, cut)
-            last[cand] = cut
+                chosen[key] = cut
+            if key not in rising or excess > rising[key][-1].excess:
+                rising.setdefault(key, []).append(cut)
+            last[key] = cut
         most = {cut.op for cut in chosen.values()}
-        timing = {cut.op: cut for cut in [*first.values(), *last.values()] if cut.op not in most}
+        earlier = [cut for cuts in rising.values() for cut in cuts]
+        timing = {cut.op: cut for cut in [*earlier, *last.values()] if cut.op not in most}
         return list(chosen.values()), list(timing.values())
 
     def rebuild(self, a: int, recomputable: Sequence[float]) -> tuple[int, set[int]]:

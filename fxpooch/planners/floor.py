@@ -4,9 +4,11 @@ time. Each holds at the point every fitting plan gives the model (see :mod:`.lp`
 the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them):
 
 * *Cut ends.* Besides the cut where the in-core plan exceeds the limit most, each candidate set
-  also gets its first and last op where it exceeds it at all (``Bounds.timing_cuts``; every cut
-  holds on its own): the first bounds when the D2H copies must have ended, the last when the
-  prefetches may start. And an activation evicted at a backward cut is not on the device while
+  also gets the ops where the excess first reaches each new high, and its last op where it
+  exceeds the limit at all (``Bounds.timing_cuts``; every cut holds on its own): the rising ones
+  bound when the D2H copies must have ended (at GPT-2's loss, the first backward op must already
+  have evicted 1.7 of the 1.9 GiB the worst cut, two matmuls later, asks for), the
+  last when the prefetches may start. And an activation evicted at a backward cut is not on the device while
   the cut's op runs, so its prefetch (an instruction of the compute stream, allocating when
   issued) is issued after that op *ends*: the H2D chain of a backward cut starts at
   ``θ_p + t_p``, not ``θ_p``.
@@ -20,7 +22,8 @@ the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them
   prefetch is issued after the forward ends (``φ``, at least every forward point's ``θ`` plus
   the forward compute after it), so the copies of the swaps first read by ``k`` or earlier, in
   whatever order the H2D stream runs them, end no earlier than ``φ`` plus their sum, and compute
-  reaches ``k`` after that.
+  reaches ``k`` after that. A swap ``j`` evicted at a cut ``p`` has ended its offload, and so
+  every offload before it, by then: ``θ_p >= F_j - U_j (1 - s_jp)`` (``Families.fifo_cuts``).
 * *Chain reads.* A recompute chain that reads a swapped activation ``d`` makes it issue ``d``'s
   (single) prefetch before that chain (``build_schedule``: a swap's first use is the earliest
   chain that reads it), and ``d`` then stays on the device until its last reader. Every chain
@@ -54,14 +57,15 @@ if TYPE_CHECKING:
 
 
 def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
-             prefix: list[float], suffix: list[float], d2h: list[float], h2d: list[float]) -> None:
-    """Every swap's two copies, evicted at a point or not (the module docstring, *Streams*)."""
+             prefix: list[float], suffix: list[float], d2h: list[float], h2d: list[float]) -> dict[int, tuple[int, float]]:
+    """Every swap's two copies, evicted at a point or not (the module docstring, *Streams*).
+    Returns per swappable activation ``j`` its ``F_j`` variable and ``U_j``."""
     graph = bounds.ev.graph
     acts = graph.activations
     forward_end = max(stop for _, stop in graph.forward_range)
     swaps = [a for a in range(len(acts)) if d2h[a] < math.inf and model.hi[x[("s", a)]] > 0]
     if not swaps:
-        return
+        return {}
     keys = [p.key for p in points]
     phi = model.var()  # when the forward's last op ends
     model.ge([(phi, 1.0)], prefix[forward_end])
@@ -78,6 +82,7 @@ def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: 
 
     # D2H in producer order (offloads are issued after their producers, in program order)
     prev, upper = None, 0.0
+    ends = {}
     for a in sorted(swaps, key=lambda a: (max(acts[a].members), a)):
         release = prefix[max(acts[a].members) + 1]
         f = model.var()
@@ -86,6 +91,7 @@ def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: 
             model.ge([(f, 1.0), (prev, -1.0), (x[("s", a)], -d2h[a])], 0.0)
         upper = max(upper, release) + d2h[a]  # no minimal D2H time exceeds it
         prev = f
+        ends[a] = (f, upper)
         k = bounds.first_reader[a]
         if k is None:
             continue
@@ -101,6 +107,7 @@ def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: 
         model.ge([(e, 1.0), (prev, -1.0), (x[("s", a)], -h2d[a])], 0.0)
         reaches(bounds.first_reader[a], e, 0.0)
         prev = e
+    return ends
 
 
 def read_by_chains(bounds: Bounds, model: Model, x: dict, points: list[_Point],

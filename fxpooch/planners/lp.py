@@ -132,6 +132,7 @@ class Families:
     streams: bool = True  # every swap's two copies, evicted at a point or not
     chain_reads: bool = True  # a swap read by a recompute chain is on the device from then on
     head_reads: bool = True  # at a rebuild point, each head's own chain bytes and inputs
+    fifo_cuts: bool = True  # an evicted swap's offload ends by the cut behind every earlier offload
 
 
 def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
@@ -266,7 +267,12 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
             prev = r
         model.ge([(0, 1.0), (theta[i], -1.0)] + ([(prev, -1.0)] if prev is not None else []), suffix[p.op])
     if families.streams:
-        streams(bounds, model, x, points, theta, prefix, suffix, d2h, h2d)
+        ends = streams(bounds, model, x, points, theta, prefix, suffix, d2h, h2d)
+        if families.fifo_cuts:
+            for (i, a), j in evicted_swap.items():  # evicted at a cut: its offload, and those before it, ended
+                if not points[i].group and a in ends:
+                    f, upper = ends[a]
+                    model.ge([(theta[i], 1.0), (f, -1.0), (j, -upper)], -upper)
     if families.chain_reads:
         read_by_chains(bounds, model, x, points, evicted_swap, rec)
     return model
