@@ -7,9 +7,13 @@ import math
 
 import pytest
 
-from fxpooch.planners import Evaluator
+from fxpooch.planners import Evaluator, Problem
 from fxpooch.planners.bounds import Bounds
+from fxpooch.schedule import Decision
+from stepgraphs import CONV, MiB, build
 from test_search import GRAPHS, at_fraction, brute_force, problem
+
+S = Decision.SWAP
 
 pytest.importorskip("scipy")
 from fxpooch.planners.lp import Families, relaxation, solve  # noqa: E402
@@ -69,3 +73,35 @@ def test_bounds_below_the_optimum_and_tighter(name, fraction, make):
     assert milp >= optimum * (1 - MIP_GAP)
     if (name, fraction) in FLOOR:
         assert old_milp / optimum == pytest.approx(FLOOR[(name, fraction)], abs=1e-4)
+
+
+def test_cuts_apart_by_phase_and_at_each_new_high():
+    """a1, a2 saved (4 MiB each), then t1..t4 (1, 1, 3, 5 MiB, not saved; each freed after its
+    reader), an 8 MiB limit. In MiB over the limit: t1 1 (a1 a candidate), t2 2, t3 4, t4 8,
+    the loss 5 (both), g2 1 (a1, first read later). g2 and t1 have the same candidates but are
+    cut apart (the backward's deadline is not the forward's); the worst cut of {a1, a2} is t4,
+    its timing cuts t2 (first), t3 (a new high: 4 MiB evicted two ops, 3 s, before t4's 8)
+    and the loss (last)."""
+    graph, costs = build([("a1", ["x"], 2, 4, CONV), ("a2", ["a1"], 2, 4, CONV), ("t1", ["a2"], 0, 1),
+                          ("t2", ["t1"], 0, 1), ("t3", ["t2"], 3, 3), ("t4", ["t3"], 0, 5), ("loss", ["t4"], 0.5, 0)],
+                         [("g2", ["a2"], 1), ("g1", ["a1"], 1)], {"a1": (2, 2), "a2": (2, 2)})
+    bounds = Bounds(Evaluator(Problem(graph, costs, 8 * MiB)))
+    t1, t2, t3, t4, loss, g2 = 3, 4, 5, 6, 7, 8
+    assert [(c.op, c.backward, c.candidates, c.excess // MiB) for c in bounds.cuts] == [
+        (t1, False, (0,), 1), (t4, False, (0, 1), 8), (g2, True, (0,), 1)]
+    assert [(c.op, c.excess // MiB) for c in bounds.timing_cuts] == [(t2, 2), (t3, 4), (loss, 5)]
+
+
+def test_an_evicted_swap_waits_for_the_offloads_before_it():
+    """a1 (3 MiB, an 8 s offload) and a2 (4 MiB, 1 s), 5 s each to compute: t1, right after a2,
+    needs a2 evicted. Alone its offload would end at 11 s, but it queues behind a1's (5 to 13 s)
+    and ends at 14 s: 3 s the model without ``fifo_cuts`` does not see. With it the MILP meets
+    the brute-force optimum (swap both)."""
+    graph, costs = build([("a1", ["x"], 5, 3, CONV), ("a2", ["a1"], 5, 4, CONV), ("t1", ["a2"], 0, 4),
+                          ("t2", ["t1"], 3, 4), ("t3", ["t2"], 0, 6), ("loss", ["t3"], 0.5, 0)],
+                         [("g2", ["a2"], 1), ("g1", ["a1"], 1)], {"a1": (8, 1), "a2": (1, 1)})
+    prob = at_fraction(graph, costs, 0.65)
+    times = brute_force(prob)
+    assert min(times.values()) == times[(S, S)] == 20.5
+    assert _bounds(prob, Families(fifo_cuts=False))[1] == pytest.approx(17.5)
+    assert _bounds(prob, Families())[1] == pytest.approx(20.5)
