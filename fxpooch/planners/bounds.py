@@ -192,7 +192,7 @@ class Bounds:
         for o in reversed(range(len(graph.ops))):
             self.suffix[o] = self.suffix[o + 1] + costs.op_time[o]
         self.cuts, self.timing_cuts = self._cuts(ev.all_keep())
-        self.evaluations = 0  # calls of ``bound``: a search's work (each costs about a simulation)
+        self.evaluations = 0  # calls of ``bound``: a search's work (each takes one to a few simulations' time)
         log.debug("%d cuts (%d more for timing) over %d ops", len(self.cuts), len(self.timing_cuts), len(graph.ops))
 
     def recompute_costs(self, decided: Partial) -> list[float]:

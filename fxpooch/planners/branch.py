@@ -12,7 +12,7 @@ Two orders: depth first (the children best bound first, which finds better plans
 best first (the open node of least bound, which raises the proved bound soonest). Budgets count
 work, not seconds: plans simulated (with or without the limit), bounds evaluated and LPs solved,
 so a search's time is bounded by its budget (most children are cut by a bound without a
-simulation: on GPT-2 at 2 layers, about 11 nodes per simulation). When the budget
+simulation, and on GPT-2 a bound costs a few simulations' time). When the budget
 runs out, every fitting plan is either in an explored or cut subtree (no faster than the best
 plan found) or in an open one (no faster than its bound), so the least of the best plan's step
 time and the open nodes' bounds is a proved bound on the optimum.
@@ -45,7 +45,7 @@ class ExactResult:
     bound: float
     proved: bool
     nodes: int  # partial plans expanded (leaves included)
-    work: int  # plans simulated (with or without the limit), bounds evaluated and LPs solved: what the budget counts
+    work: int  # plans simulated (with or without the limit), bounds and LPs: what the budget counts
 
     @property
     def gap(self) -> float:

@@ -7,8 +7,8 @@ the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them
   also gets the ops where the excess first reaches each new high, and its last op where it
   exceeds the limit at all (``Bounds.timing_cuts``; every cut holds on its own): the rising ones
   bound when the D2H copies must have ended (at GPT-2's loss, the first backward op must already
-  have evicted 1.7 of the 1.9 GiB the worst cut, two matmuls later, asks for), the
-  last when the prefetches may start. And an activation evicted at a backward cut is not on the device while
+  have evicted 1.7 of the 1.9 GiB the worst cut, two matmuls later, asks for), the last when
+  the prefetches may start. And an activation evicted at a backward cut is not on the device while
   the cut's op runs, so its prefetch (an instruction of the compute stream, allocating when
   issued) is issued after that op *ends*: the H2D chain of a backward cut starts at
   ``θ_p + t_p``, not ``θ_p``.
@@ -57,7 +57,8 @@ if TYPE_CHECKING:
 
 
 def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
-             prefix: list[float], suffix: list[float], d2h: list[float], h2d: list[float]) -> dict[int, tuple[int, float]]:
+             prefix: list[float], suffix: list[float], d2h: list[float],
+             h2d: list[float]) -> dict[int, tuple[int, float]]:
     """Every swap's two copies, evicted at a point or not (the module docstring, *Streams*).
     Returns per swappable activation ``j`` its ``F_j`` variable and ``U_j``."""
     graph = bounds.ev.graph

@@ -269,7 +269,7 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
     if families.streams:
         ends = streams(bounds, model, x, points, theta, prefix, suffix, d2h, h2d)
         if families.fifo_cuts:
-            for (i, a), j in evicted_swap.items():  # evicted at a cut: its offload, and those before it, ended
+            for (i, a), j in evicted_swap.items():  # evicted at a cut: its offload and the earlier ones ended
                 if not points[i].group and a in ends:
                     f, upper = ends[a]
                     model.ge([(theta[i], 1.0), (f, -1.0), (j, -upper)], -upper)

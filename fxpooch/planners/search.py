@@ -310,15 +310,16 @@ def repair(ev: Evaluator, decisions: list[Decision]) -> Candidate | None:
 
 def exact_search(problem: Problem, options: SearchOptions = SearchOptions(), work: float = math.inf) -> ExactResult:
     """Branch and bound as ``plan_exact``, on a graph of any size, stopped once ``work`` plans have
-    been simulated, bounds evaluated and LPs solved (its seeds included): the best plan found and a proved bound.
+    been simulated, bounds evaluated and LPs solved (its seeds included): the best plan found and
+    a proved bound.
 
     Seeds: PoocH's plan and the reference plans improved by local search, and (with
     ``options.milp_nodes``) the MILP's point, :func:`repair`-ed where it does not fit, improved the
-    same way; the MILP's dual bound joins
-    the root's. Best first, so the proved bound rises as fast as the bounds allow. Deterministic, and
-    its time bounded by ``work``: the budget counts simulations, bounds and solves, not seconds. Where it runs out the result is not
-    an optimum (``proved`` is False) but ``bound`` is still a lower bound on every fitting plan's
-    step time, so ``best`` is within ``gap`` of the optimum."""
+    same way; the MILP's dual bound joins the root's. Best first, so the proved bound rises as
+    fast as the bounds allow. Deterministic, and its time bounded by ``work``: the budget counts
+    simulations, bounds and solves, not seconds. Where it runs out the result is not an optimum
+    (``proved`` is False) but ``bound`` is still a lower bound on every fitting plan's step time,
+    so ``best`` is within ``gap`` of the optimum."""
     ev = Evaluator(problem)
     local_budget = simulation_budget(problem.graph, options.work, options.max_simulations)
     try:
