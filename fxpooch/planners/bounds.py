@@ -160,17 +160,21 @@ def split_bound(before: float, between: float, after: float, excess: float,
     out = 0.0
     for k, tail in [(math.inf, 0.0), *tails]:
         h = _curve([(y if due <= k else 0.0, n) for _, y, n, due in swap])
+
+        def sides(s: np.ndarray, h=h, tail=tail) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """At ``s`` bytes swapped: D2H past ``before``, then recomputes and copies after."""
+            return _at(d, s) - before, after + _at(r, excess - s), _at(h, s) + tail
+
         pts = np.unique(np.concatenate([[lo, hi], inner, h[0]]))
         pts = pts[(pts >= lo) & (pts <= hi)]
-        dev, rec, copies = _at(d, pts) - before, after + _at(r, excess - pts), _at(h, pts) + tail
+        dev, rec, copies = sides(pts)
         best = float(np.min(np.maximum(dev, 0.0) + np.maximum(rec, copies)))
         for f in (dev, rec - copies):  # a sign change between two breakpoints: the sides cross there
             cross = np.flatnonzero(f[:-1] * f[1:] < 0)
             if cross.size:
                 a, b, fa, fb = pts[cross], pts[cross + 1], f[cross], f[cross + 1]
-                at = a + (b - a) * fa / (fa - fb)
-                phi = np.maximum(_at(d, at) - before, 0.0) + np.maximum(after + _at(r, excess - at), _at(h, at) + tail)
-                best = min(best, float(np.min(phi)))
+                cdev, crec, ccopies = sides(a + (b - a) * fa / (fa - fb))
+                best = min(best, float(np.min(np.maximum(cdev, 0.0) + np.maximum(crec, ccopies))))
         out = max(out, before + between + best)
     return out
 
