@@ -190,7 +190,9 @@ def attempt(row: dict[str, Any], thunk: Callable[[], dict[str, Any] | None]) -> 
     row["wall_s"] = time.perf_counter() - t0
     clean()
     row["leftover"] = torch.cuda.memory_allocated()  # bytes held after the method: constant, or something leaks
-    log.info("%s %s b=%d: %s", row["config"], row["method"], row["batch"], row["status"])
+    log.info("%s %s b=%d: %s, step %s s, peak %s, reserved %s, pred %s s / %s, %.0f s wall", row["config"], row["method"],
+             row["batch"], row["status"], row.get("step_s"), row.get("peak"), row.get("reserved"), row.get("pred_s"),
+             row.get("pred_peak"), row["wall_s"])
     return row
 
 
@@ -207,8 +209,8 @@ PASSES = (("in-core", "torch.compile", f"fxpooch:{LEAD}", INDUCTOR_LEAD),
 class Run:
     """One benchmark invocation: options, deadline, rows, and each configuration's measured profile."""
 
-    def __init__(self, args: argparse.Namespace):
-        self.args = args
+    def __init__(self, args: argparse.Namespace, out: Path | None = None):
+        self.args, self.out, self.started = args, out, time.time()
         self.deadline = time.monotonic() + args.time_budget if args.time_budget > 0 else float("inf")
         self.rows: dict[tuple[Config, str], dict[str, Any]] = {}
         # a profile's fingerprint does not see shapes, so one is only ever reused for its own batch, and
@@ -232,11 +234,27 @@ class Run:
                     self.rows[cfg, name] = row
                     if time.monotonic() < self.deadline:
                         attempt(row, lambda cfg=cfg, row=row: self.method(cfg, row))
+                        self.save(list(self.rows.values()))  # a run stopped from outside keeps what it measured
         for cfg in cfgs:  # fxpooch's own prediction of the in-core step, next to the measured one
             lead, in_core = self.rows[cfg, f"fxpooch:{LEAD}"], self.rows[cfg, "in-core"]
             if "pred_in_core_s" in lead:
                 in_core.update(pred_s=lead["pred_in_core_s"], pred_peak=lead["pred_in_core_peak"])
-        return [self.rows[c, m] for c in cfgs for names in passes for m in names]
+        rows = [self.rows[c, m] for c in cfgs for names in passes for m in names]
+        judge(rows)
+        self.save(rows)
+        return rows
+
+    def save(self, rows: list[dict[str, Any]]) -> None:
+        """The JSON of ``rows`` so far (rewritten after every method); none without ``out``."""
+        if self.out is None:
+            return
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps({
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "fxpooch": fxpooch.__version__,
+            "limit": self.args.limit, "args": vars(self.args), "started": self.started,
+            "duration_s": time.time() - self.started, "note": "measured on this GPU; pred_* are fxpooch's simulated plan",
+            "targets": {"slowdown": SLOWDOWN_TARGET, "time_tol": TIME_TOL, "peak_tol": PEAK_TOL},
+            "rows": rows}, indent=1, default=str))
 
     def method(self, cfg: Config, row: dict[str, Any]) -> dict[str, Any]:
         name, cap = row["method"], cfg.limit
@@ -448,22 +466,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.cuda.get_device_name()
     out = Path(args.out or HERE / "results" / f"gpu-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.json")
-    started = time.time()
-    run = Run(args)
+    run = Run(args, out)
     rows = run.run(configs(args))
-    judge(rows)
     print(f"{device}, torch {torch.__version__}, limit {format_bytes(args.limit)} "
           f"(set_per_process_memory_fraction; in-core runs uncapped)")
     print(table(rows))
     checks = [r[k] for r in rows for k in ("slowdown_ok", "time_ok", "peak_ok") if k in r]
-    print(f"targets: {sum(checks)} pass, {len(checks) - sum(checks)} fail; {time.time() - started:.0f} s")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "device": device, "torch": torch.__version__, "fxpooch": fxpooch.__version__, "limit": args.limit,
-        "args": {k: v for k, v in vars(args).items()}, "started": started, "duration_s": time.time() - started,
-        "note": "measured on this GPU; pred_* are fxpooch's simulated plan",
-        "targets": {"slowdown": SLOWDOWN_TARGET, "time_tol": TIME_TOL, "peak_tol": PEAK_TOL},
-        "rows": rows}, indent=1, default=str))
+    print(f"targets: {sum(checks)} pass, {len(checks) - sum(checks)} fail; {time.time() - run.started:.0f} s")
     print(f"wrote {out}")
     return 0
 

@@ -11,6 +11,10 @@ measurement covers forward + backward only. The compiled module returns the loss
 as the training-loop contract asks for a planned step: a loss computed outside it is user memory
 the plan cannot see (test_a_loss_outside_the_compiled_module_costs_its_temporaries measures that).
 
+On CUDA (where one is available) the same scenarios run on the GPU: the caching allocator's
+``max_memory_allocated`` over the step, less what the eager copy and the optimizer hold, is the
+measurement, and both limits keep the default allocator margin free.
+
 TOLERANCE: the measured peak may exceed the limit by at most 2% (none of these scenarios needs
 it today; it covers allocator-level differences between torch versions).
 """
@@ -30,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpooch
+from fxpooch.memory import Margin
 from fxpooch.planners import Problem, get_planner
 from fxpooch.timing import ProfileOptions
 from measure import HOST_OPS, StepCounter
@@ -152,8 +157,8 @@ def _scaled_on_odd_steps(args, i):
     return (x * 0.01,) if i % 2 else args  # flips ItemBranch's branch
 
 
-def _autocast_on_odd_steps(i):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if i % 2 else contextlib.nullcontext()
+def _autocast_on_odd_steps(i, device):
+    return torch.autocast(device, dtype=torch.bfloat16) if i % 2 else contextlib.nullcontext()
 
 
 def _wrap_at_step_1(model: nn.Module, i: int) -> None:
@@ -166,7 +171,7 @@ class Scenario:
     build: Callable[[], tuple[nn.Module, tuple]]
     steps: int = 2
     inputs: Callable[[tuple, int], tuple] = _same
-    context: Callable[[int], Any] = lambda i: contextlib.nullcontext()
+    context: Callable[[int, str], Any] = lambda i, device: contextlib.nullcontext()  # (step, device type)
     change: Callable[[nn.Module, int], None] | None = None  # applied to both models before step i
     accumulate: int = 1  # micro-batches per optimizer step (gradients are zeroed only after it)
     optimizer: Callable[[Any], torch.optim.Optimizer] = lambda ps: torch.optim.SGD(ps, lr=1e-3)
@@ -222,10 +227,21 @@ SCENARIOS = {
 }
 
 
-def make(scenario: Scenario) -> tuple[nn.Module, tuple]:
+def make(scenario: Scenario, device: str = "cpu") -> tuple[nn.Module, tuple]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        return scenario.build()
+        model, args = scenario.build()
+    return model.to(device), to_device(args, device)
+
+
+def to_device(args: Any, device: str) -> Any:
+    if isinstance(args, torch.Tensor):
+        return args.to(device)
+    if isinstance(args, (tuple, list)):
+        return type(args)(to_device(a, device) for a in args)
+    if isinstance(args, dict):
+        return {k: to_device(v, device) for k, v in args.items()}
+    return args
 
 
 class WithLoss(nn.Module):
@@ -250,14 +266,15 @@ def loss_of(out) -> torch.Tensor:
     return loss if loss is not None else out.float().square().mean()
 
 
-_limits: dict[str, tuple[int, int]] = {}
+_limits: dict[tuple[str, str], tuple[int, int]] = {}
 
 
-def limits(name: str) -> tuple[int, int]:
-    """(in-core peak, floor) of the scenario's step as it starts: with existing gradients when it accumulates."""
-    if name not in _limits:
+def limits(name: str, device: str = "cpu") -> tuple[int, int]:
+    """(in-core peak, floor) of the scenario's step as it starts: with existing gradients when it accumulates.
+    Both are limits: with the device's default allocator margin (none on the CPU) kept free."""
+    if (name, device) not in _limits:
         scenario = SCENARIOS[name]
-        model, args = make(scenario)
+        model, args = make(scenario, device)
         if scenario.accumulate > 1:
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
@@ -265,12 +282,22 @@ def limits(name: str) -> tuple[int, int]:
                                **ANALYTIC).plan
         with pytest.raises(fxpooch.InfeasibleMemoryLimit) as info:
             get_planner(plan.planner)(Problem(plan.graph, plan.profile.costs(plan.graph), 1))
-        _limits[name] = (plan.in_core_peak_bytes, info.value.min_feasible_bytes)
-    return _limits[name]
+        margin = Margin.default_for(device)
+        _limits[name, device] = (margin.limit_for(plan.in_core_peak_bytes),
+                                 margin.limit_for(info.value.min_feasible_bytes))
+    return _limits[name, device]
 
 
-def measured_peak(model: nn.Module, args: tuple, step: Callable[[], None]) -> int:
-    """Resident bytes (parameters, buffers, gradients, inputs) plus the peak of what ``step`` allocates."""
+def measured_peak(model: nn.Module, args: tuple, step: Callable[[], None], device: str = "cpu") -> int:
+    """Resident bytes (parameters, buffers, gradients, inputs) plus the peak of what ``step`` allocates:
+    counted by :class:`StepCounter` on the CPU, by the caching allocator on CUDA."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        outside = torch.cuda.memory_allocated() - resident_bytes(model, list(args))  # the eager copy, optimizer state
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - outside
     counter = StepCounter(host_ops=HOST_OPS)
     counter.seed(model, args)
     resident = resident_bytes(model, list(args))
@@ -279,10 +306,10 @@ def measured_peak(model: nn.Module, args: tuple, step: Callable[[], None]) -> in
     return resident + counter.peak_bytes
 
 
-def train(name: str, limit: int) -> list[float]:
+def train(name: str, limit: int, device: str = "cpu") -> list[float]:
     """Train the scenario at ``limit`` next to eager; returns each step's measured peak / limit."""
     scenario = SCENARIOS[name]
-    model, args = make(scenario)
+    model, args = make(scenario, device)
     eager = copy.deepcopy(model)
     cm = fxpooch.compile(WithLoss(model), args[0] if isinstance(args[0], dict) else args, limit, **ANALYTIC)
     opt, ref_opt = scenario.optimizer(model.parameters()), scenario.optimizer(eager.parameters())
@@ -294,13 +321,13 @@ def train(name: str, limit: int) -> list[float]:
         step_args = scenario.inputs(args, i)
 
         def run(m, with_loss: bool):
-            with scenario.context(i):
+            with scenario.context(i, device):
                 torch.manual_seed(i)
                 out = call(m, step_args)
                 loss = out if with_loss else loss_of(out)
             loss.backward()
 
-        ratios.append(measured_peak(model, step_args, lambda: run(cm, True)) / limit)
+        ratios.append(measured_peak(model, step_args, lambda: run(cm, True), device) / limit)
         run(eager, False)
         for (n, p), q in zip(model.named_parameters(), eager.parameters()):
             torch.testing.assert_close(p.grad, q.grad, **scenario.tol, msg=lambda m, n=n: f"step {i}: grad of {n}: {m}")
@@ -310,13 +337,18 @@ def train(name: str, limit: int) -> list[float]:
     return ratios
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the CPU variant covers the same plans"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("which", ["0.6x_in_core", "1.02x_floor"])
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_training_loop_stays_under_the_limit(name: str, which: str):
-    in_core, floor = limits(name)
+def test_training_loop_stays_under_the_limit(name: str, which: str, device: str):
+    in_core, floor = limits(name, device)
     limit = int(0.6 * in_core) if which == "0.6x_in_core" else int(1.02 * floor)
     assert floor <= limit < in_core, (floor, limit, in_core)  # the scenario is out of core at both limits
-    ratios = train(name, limit)
+    ratios = train(name, limit, device)
     assert max(ratios) <= TOLERANCE, [round(r, 3) for r in ratios]
 
 
