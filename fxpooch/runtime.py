@@ -207,28 +207,19 @@ def _after(x: torch.Tensor, done: list[torch.Tensor]) -> torch.Tensor:
     return x
 
 
-def _offload_meta(x: torch.Tensor, slot: int) -> torch.Tensor:
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
-
-
-def _prefetch_meta(host: torch.Tensor, device: torch.device, slot: int) -> torch.Tensor:
-    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device="meta")
-
-
 _lib.impl("offload", _offload, "CPU")
 _lib.impl("offload", _offload, "CUDA")
 _lib.impl("prefetch", _prefetch, "CPU")
 _lib.impl("wait", _wait, "CompositeExplicitAutograd")
 _lib.impl("drop", _drop, "CompositeExplicitAutograd")
 _lib.impl("after", _after, "CompositeExplicitAutograd")
-_lib.impl("offload", _offload_meta, "Meta")
-_lib.impl("prefetch", _prefetch_meta, "Meta")
 
 
 # Fake kernels: what a compiler (inductor) sees when it traces a rewritten graph with fake tensors.
 # ``offload`` makes a host tensor, ``prefetch`` a device one, ``wait`` returns its input (an alias,
 # as its schema says), ``drop`` an empty tensor and ``after`` its first input; all stay calls into this
-# module at run time.
+# module at run time. ``register_fake`` also makes each one the op's Meta kernel (a graph run on meta
+# tensors): there ``prefetch`` stays on meta. (torch 2.11 refuses a fake kernel beside a Meta one.)
 @torch.library.register_fake("fxpooch::offload", lib=_lib)
 def _offload_fake(x: torch.Tensor, slot: int) -> torch.Tensor:
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
@@ -236,7 +227,8 @@ def _offload_fake(x: torch.Tensor, slot: int) -> torch.Tensor:
 
 @torch.library.register_fake("fxpooch::prefetch", lib=_lib)
 def _prefetch_fake(host: torch.Tensor, device: torch.device, slot: int) -> torch.Tensor:
-    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+    on = host.device if host.device.type == "meta" else device
+    return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=on)
 
 
 @torch.library.register_fake("fxpooch::wait", lib=_lib)
