@@ -19,6 +19,7 @@ import contextlib
 import gc
 import json
 import logging
+import os
 import re
 import statistics
 import sys
@@ -50,6 +51,9 @@ TIME_TOL, PEAK_TOL = 0.10, 0.05  # |pred - meas| / meas; meas <= pred <= (1 + PE
 MODEL_DTYPES = {"resnet50": ("fp32", "bf16"), "gpt2": ("fp32",)}
 FIT_BATCHES = {"resnet50": (8, 16), "gpt2": (1, 2)}  # in-core peak measured here, then extrapolated
 CUDA_MARGIN = Margin.default_for("cuda")  # what compile keeps free on the GPU; --dry-run plans on meta with it
+#: segments that grow and shrink in place: under a capped allocator, the default fixed-size segments
+#: left fxpooch's ResNet-50 plan (8 GiB limit, 5% margin) out of memory at an allocated peak under the limit
+ALLOC_CONF = "expandable_segments:True"
 NO_CUDA = "benchmarks/gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); use --dry-run to plan on meta"
 
 
@@ -164,6 +168,7 @@ def timed_steps(fn: Callable, model: nn.Module, inputs: tuple, dtype: str, cap: 
             step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        before = allocator_counts()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
         for start, end in events:
             start.record()
@@ -171,8 +176,20 @@ def timed_steps(fn: Callable, model: nn.Module, inputs: tuple, dtype: str, cap: 
             end.record()
         torch.cuda.synchronize()
     times = [s.elapsed_time(e) / 1e3 for s, e in events]
+    after = allocator_counts()
     return {"status": "ok", "step_s": statistics.median(times), "steps_s": times,
-            "peak": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+            "peak": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
+            "allocator": {k: after[k] - before[k] for k in ALLOCATOR_COUNTS}}
+
+
+#: caching-allocator events over the timed steps: a retry frees the cache (and synchronizes) to satisfy
+#: an allocation, and device allocations or frees mean the cache did not hold the step's blocks
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms")
+
+
+def allocator_counts() -> dict[str, int]:
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
 
 
 def attempt(row: dict[str, Any], thunk: Callable[[], dict[str, Any] | None]) -> dict[str, Any]:
@@ -181,7 +198,8 @@ def attempt(row: dict[str, Any], thunk: Callable[[], dict[str, Any] | None]) -> 
     try:
         row.update(thunk() or {})
     except torch.OutOfMemoryError as e:
-        row.update(status="fails", error=str(e).splitlines()[0][:200])
+        row.update(status="fails", error=" ".join(str(e).split())[:700], peak=torch.cuda.max_memory_allocated(),
+                   reserved=torch.cuda.max_memory_reserved())
     except fxpooch.InfeasibleMemoryLimit as e:
         row.update(status="infeasible", floor=e.min_feasible_bytes)
     except Exception as e:  # noqa: BLE001 - one method failing must not stop the others
@@ -251,10 +269,14 @@ class Run:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "fxpooch": fxpooch.__version__,
-            "limit": self.args.limit, "args": vars(self.args), "started": self.started,
+            "limit": self.args.limit, "args": vars(self.args),
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), "started": self.started,
             "duration_s": time.time() - self.started, "note": "measured on this GPU; pred_* are fxpooch's simulated plan",
             "targets": {"slowdown": SLOWDOWN_TARGET, "time_tol": TIME_TOL, "peak_tol": PEAK_TOL},
-            "rows": rows}, indent=1, default=str))
+            "rows": rows,
+            # each configuration's measured profile: fxpooch.Profile.from_json replays its plans anywhere
+            "profiles": {f"{c.name} b={c.batch} {cg}": p.to_json() for (c, cg), p in self.profiles.items()}},
+            indent=1, default=str))
 
     def method(self, cfg: Config, row: dict[str, Any]) -> dict[str, Any]:
         name, cap = row["method"], cfg.limit
@@ -443,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
                 "time-budget": (480, 110, "seconds; later methods are 'skipped (time budget)'; 0 = no limit")}
     for flag, (full, quick, what) in defaults.items():
         p.add_argument(f"--{flag}", type=float if flag == "time-budget" else int, help=f"{what} ({full}; quick {quick})")
+    p.add_argument("--alloc-conf", default=ALLOC_CONF,
+                   help=f"PYTORCH_CUDA_ALLOC_CONF of every method ({ALLOC_CONF}; '' = the default allocator), "
+                        "unless the environment already sets it")
     p.add_argument("--out", default=None, help="JSON (default benchmarks/results/gpu-<device>.json)")
     p.add_argument("--dry-run", action="store_true", help="no GPU: plan the configurations on meta and print them")
     p.add_argument("--dry-run-plan", action="store_true", help="with --dry-run: also run every planner on meta")
@@ -464,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 2
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", args.alloc_conf)  # read when CUDA's allocator starts, below
     device = torch.cuda.get_device_name()
     out = Path(args.out or HERE / "results" / f"gpu-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.json")
     run = Run(args, out)

@@ -188,10 +188,10 @@ class CompiledModule(nn.Module):
 
     def _checked(self, planned: _Planned, args: tuple, kwargs: dict) -> _Planned:
         """``planned``, or a plan made again under a tighter limit, whose compiled step measured within
-        the limit on these inputs (inductor only; see :attr:`CompileOptions.peak_check_rounds`)."""
+        the limit on these inputs (where :meth:`CompileOptions.checks_peak`)."""
         rounds = self.options.peak_check_rounds
         device = step_device(self.model, args, kwargs)
-        if self.options.codegen != "inductor" or not rounds or device.type not in ("cpu", "cuda"):
+        if not self.options.checks_peak(device):
             return planned
         if self._wrapper is not None or self._sharded is not None:
             log.info("the compiled step's peak is not measured inside a DDP or FSDP wrapper (it runs there, "
@@ -389,7 +389,7 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
     in-core step fits, else each node alone. The returned module's backward puts gradients on
     ``model``'s parameters. ``codegen``: "fx" runs the rewritten graphs op by op, "inductor"
     compiles them (:mod:`fxpooch.codegen`). ``profile_mode``, ``margin``, ``host_pool_limit``,
-    ``max_plans``, ``peak_check_rounds`` (inductor: the compiled step's measured peak checked, the plan
+    ``max_plans``, ``peak_check_rounds`` (inductor, and any code generator on CUDA: the compiled step's measured peak checked, the plan
     made again at most so many times while above the limit) and ``outputs_held`` (False when the caller drops the outputs before calling
     backward): see :class:`CompileOptions`.
     """

@@ -82,20 +82,26 @@ def compile_pair(forward: fx.GraphModule, backward: fx.GraphModule, num_user_out
     saved = strides[num_user_outputs:]  # what the forward saves for the backward, in order
     bw_copy, bw_example = _inductor_input(backward)
     # AOTAutograd's contract: the backward takes the saved symbolic ints first, then the saved values in
-    # the forward's order (then the incoming gradients); the strides of a symbolic int are None. A value
-    # the backward does not read (a dropped activation, recomputed instead) keeps its traced metadata.
+    # the forward's order (then the incoming gradients); the strides of a symbolic int are None. A dropped
+    # activation (recomputed instead) reaches the backward as what ``fxpooch::drop`` returns, an empty tensor.
     read = [bool(p.users) for p in bw_copy.graph.find_nodes(op="placeholder")]
     first = next((i for i, v in enumerate(bw_example) if not isinstance(v, torch.SymInt | int)), len(bw_example))
     relaid = 0
     for i, stride in enumerate(saved[:len(bw_example) - first], start=first):
         value = bw_example[i]
-        if stride is not None and read[i] and isinstance(value, torch.Tensor) and tuple(value.stride()) != stride:
+        if _is_drop(outs[num_user_outputs + i - first]) and isinstance(value, torch.Tensor):
+            bw_example[i] = value.new_empty(0)
+        elif stride is not None and read[i] and isinstance(value, torch.Tensor) and tuple(value.stride()) != stride:
             bw_example[i] = value.as_strided(value.shape, stride, value.storage_offset())
             relaid += 1
     bw_code, _ = compat.inductor_compile(bw_copy, bw_example, is_backward=True)
     log.debug("inductor compiled a pair of %d forward and %d backward nodes; %d saved tensors laid out "
               "otherwise than traced", len(forward.graph.nodes), len(backward.graph.nodes), relaid)
     return fw_code, bw_code
+
+
+def _is_drop(value: Any) -> bool:
+    return isinstance(value, fx.Node) and value.target is torch.ops.fxpooch.drop.default
 
 
 def compile_inference(gm: fx.GraphModule, example_inputs: list[Any]) -> Boxed:

@@ -56,7 +56,8 @@ class CompileOptions:
     the logits come back next to the loss: each is planned until the forward returns; autograd's zero
     gradient for it is planned either way). ``codegen``: how the rewritten graphs run, "fx" (op by
     op) or "inductor" (compiled; see :mod:`fxpooch.codegen`). ``peak_check_rounds`` (``fxpooch.compile``
-    with inductor): the compiled plan runs steps on the example inputs, its measured time calibrates
+    with inductor, or any code generator on CUDA: :meth:`checks_peak`): the compiled plan runs steps on
+    the example inputs, its measured time calibrates
     the op times and its measured peak is checked against the limit; above it, the plan is made again
     with the excess kept free, at most this many times (:mod:`fxpooch.peakcheck`); 0 skips both. The
     ``torch.compile`` backend plans a graph before it first runs and never runs a step of its own, so
@@ -97,6 +98,14 @@ class CompileOptions:
         if not isinstance(self.outputs_held, bool):
             raise InvalidOption(f"outputs_held={self.outputs_held!r}: pass True (the caller holds the outputs "
                                 "through the backward) or False (it drops them before calling backward)")
+
+    def checks_peak(self, device: torch.device) -> bool:
+        """Whether a compiled plan's measured peak is checked on ``device``: with inductor (its kernels
+        take buffers and scratch the profiled ops did not), and on CUDA with either code generator (an
+        op's workspace is not in an analytic profile, and a swapped buffer is freed when its copy
+        ends, whose time the plan only predicts)."""
+        return bool(self.peak_check_rounds) and (self.codegen == "inductor" or device.type == "cuda") \
+            and device.type in ("cpu", "cuda")
 
     def margin_for(self, device: torch.device) -> Margin:
         if self.margin is None:

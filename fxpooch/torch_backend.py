@@ -260,7 +260,7 @@ class Backend:
         log.info("planning the %d graph(s) of the last step as one step", len(pairs))
         self._current = self.plans[pairs] = planned = self._make(list(pairs), device, resident)
         options = self.options
-        if options.codegen == "inductor" and options.peak_check_rounds and device.type in ("cpu", "cuda"):
+        if options.checks_peak(device):
             self.checks[pairs] = peakcheck.LiveCheck(planned.plan, device, rounds=options.peak_check_rounds,
                                                      planner=options.planner, margin=options.margin_for(device))
             self._variants[pairs] = [planned]

@@ -160,6 +160,31 @@ def test_inductor_backward_reads_the_layout_the_forward_saves(planner: str):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
 
 
+def test_inductor_backward_is_compiled_for_the_empty_tensors_of_dropped_activations(monkeypatch):
+    # a recomputed activation reaches the backward as what fxpooch::drop returns; a backward compiled for
+    # its traced shape asserts that shape on it (inductor does on CUDA: "wrong number of dimensions")
+    from fxpooch import codegen
+
+    backward_examples = []
+    real = codegen.compat.inductor_compile
+
+    def spy(gm, example, is_backward, **kw):
+        if is_backward:
+            backward_examples.append(list(example))
+        return real(gm, example, is_backward=is_backward, **kw)
+
+    monkeypatch.setattr(codegen.compat, "inductor_compile", spy)
+    model, x = mlp()
+    cm = fxpooch.compile(model, x, floor_of("checkpoint-all"), planner="checkpoint-all", profile="analytic",
+                         codegen="inductor")
+    (forward,) = cm.forward_graphs
+    outs = forward.graph.output_node().args[0]
+    dropped = sum(isinstance(o, torch.fx.Node) and o.target is torch.ops.fxpooch.drop.default for o in outs)
+    assert dropped >= cm.plan.counts()["recompute"] > 0  # a view saved beside its base is dropped too
+    (example,) = backward_examples
+    assert sum(isinstance(v, torch.Tensor) and v.shape == (0,) for v in example) == dropped
+
+
 class TinyLM(nn.Module):
     """Two GPT blocks and a 2048-token head with the loss inside: the backward opens with
     logits-sized pointwise chains, then prefetches what the blocks swapped."""

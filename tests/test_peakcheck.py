@@ -220,3 +220,17 @@ def test_backend_names_the_limit_its_measured_steps_meet():
     (check,) = backend.checks.values()
     assert check.result is not None and check.result.peak_bytes <= floor, (floor, check.measured)
     assert backend_peak(cm, backend, model, x) <= floor
+
+
+@pytest.mark.parametrize("codegen, device, rounds, checked", [
+    ("fx", "cpu", 3, False),  # the plan counts what the ops allocate, exactly
+    ("inductor", "cpu", 3, True),
+    ("fx", "cuda", 3, True),  # workspaces and copy-timed frees the plan only predicts
+    ("inductor", "cuda", 3, True),
+    ("inductor", "meta", 3, False),  # nothing to measure
+    ("fx", "cuda", 0, False),
+    ("inductor", "cpu", 0, False),
+])
+def test_which_steps_have_their_peak_checked(codegen: str, device: str, rounds: int, checked: bool):
+    options = fxpooch.CompileOptions(codegen=codegen, peak_check_rounds=rounds)
+    assert options.checks_peak(torch.device(device)) is checked

@@ -278,7 +278,8 @@ def limits(name: str, device: str = "cpu") -> tuple[int, int]:
         if scenario.accumulate > 1:
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
-        plan = fxpooch.compile(WithLoss(model), args[0] if isinstance(args[0], dict) else args, "1TiB",
+        room = torch.cuda.get_device_properties(device).total_memory if device == "cuda" else "1TiB"
+        plan = fxpooch.compile(WithLoss(model), args[0] if isinstance(args[0], dict) else args, room,
                                **ANALYTIC).plan
         with pytest.raises(fxpooch.InfeasibleMemoryLimit) as info:
             get_planner(plan.planner)(Problem(plan.graph, plan.profile.costs(plan.graph), 1))
