@@ -152,7 +152,8 @@ def memory_cap(limit: int | None) -> Iterator[None]:
 def timed_steps(fn: Callable, model: nn.Module, inputs: tuple, dtype: str, cap: int | None, warmup: int,
                 steps: int, around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
                 ) -> dict[str, Any]:
-    """Median step time (CUDA events) and peaks of ``steps`` forward+backward steps after ``warmup``."""
+    """Median step time (CUDA events) and peaks of ``steps`` forward+backward steps after ``warmup``;
+    ``issue_s``: the median host time to issue a step (near ``step_s``: the host, not the GPU, sets the pace)."""
     params = list(model.parameters())
 
     def step() -> None:
@@ -170,14 +171,17 @@ def timed_steps(fn: Callable, model: nn.Module, inputs: tuple, dtype: str, cap: 
         torch.cuda.reset_peak_memory_stats()
         before = allocator_counts()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
+        issued = []
         for start, end in events:
             start.record()
+            t0 = time.perf_counter()
             step()
+            issued.append(time.perf_counter() - t0)
             end.record()
         torch.cuda.synchronize()
     times = [s.elapsed_time(e) / 1e3 for s, e in events]
     after = allocator_counts()
-    return {"status": "ok", "step_s": statistics.median(times), "steps_s": times,
+    return {"status": "ok", "step_s": statistics.median(times), "steps_s": times, "issue_s": statistics.median(issued),
             "peak": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
             "allocator": {k: after[k] - before[k] for k in ALLOCATOR_COUNTS}}
 
@@ -316,6 +320,9 @@ class Run:
                    margin=plan.margin_bytes, profile=plan.profile.source, host_bytes=plan.host_bytes,
                    link=plan.profile.link.to_json())
         out = self.steps(cm, model, inputs, cfg, cfg.limit)
+        if planner == LEAD:  # the same plan without the cap: what the capped allocator costs it
+            out["uncapped"] = {k: v for k, v in self.steps(cm, model, inputs, cfg, None).items()
+                               if k in ("step_s", "issue_s", "peak", "reserved", "allocator")}
         return {**out, "host_pool": cm.host_pool_bytes}
 
     def compile_budget(self, cfg: Config, model: WithLoss, inputs: tuple, row: dict[str, Any]) -> dict:
