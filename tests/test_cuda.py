@@ -158,6 +158,23 @@ def test_offloaded_buffer_is_not_reused_before_its_copy(delayed: str):
     torch.testing.assert_close(back.cpu(), expected, rtol=0, atol=0)
 
 
+def test_copies_are_queued_not_waited_for():
+    """Offload and prefetch only queue their copies on the side streams: with the compute stream busy
+    (which both copies wait for), each returns before its copy has run. A copy from or to pageable
+    host memory would hold the host until it ends, and no compute could be queued meanwhile."""
+    rt = runtime.Runtime()
+    x = torch.randn(1 << 24, device="cuda")  # 64 MiB
+    expected = x.cpu()
+    torch.cuda.synchronize()
+    compat.cuda_sleep(50 * SLEEP_CYCLES)  # ~25 ms on the compute stream
+    host = rt.offload(x, 0)
+    offloaded = rt.slots[0].copied
+    back = rt.prefetch(host, x.device, 0)
+    assert not offloaded.query() and not rt.prefetched[0].query()
+    back = rt.wait(back, 0) * 1
+    torch.testing.assert_close(back.cpu(), expected, rtol=0, atol=0)
+
+
 # -- (b) measured peaks over a sweep of limits ---------------------------------------------------
 def measured_peak(cm: fxpooch.CompiledModule, model: torch.nn.Module, x: torch.Tensor,
                   plan: fxpooch.Plan | None = None) -> int:
