@@ -265,7 +265,7 @@ def test_local_recomputes_a_convolution_with_the_relu_it_reads():
     convolution that reads it (4) together, as one chain, with the first batch norm's statistics
     (2) swapped rather than recomputed to fit, is 18% faster than swapping both; no single change
     nor trade of two reaches it (each of the two alone does not fit or is slower)."""
-    from fxpooch.planners.search import exchange, linked
+    from fxpooch.planners.moves import exchange, linked
 
     prob = problem("resnet_small", 0.0, "v100-pcie3")
     ev = Evaluator(prob)
@@ -293,7 +293,7 @@ def test_local_swaps_the_outputs_of_one_op_together():
     saved statistics of the batch norm between them (1, 2) instead of rebuilding them. With only
     one of the two swapped the plan misses the limit; with both it is 7.8% faster, the fastest
     plan the exact search knows for this row (1.918x in-core)."""
-    from fxpooch.planners.search import exchange, linked
+    from fxpooch.planners.moves import exchange, linked
 
     prob = problem("resnet_small", 0.0, "h100-pcie5")
     ev = Evaluator(prob)

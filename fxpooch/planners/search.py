@@ -3,7 +3,8 @@
 ``local`` starts from the best of PoocH's plan and the reference plans (swap-all, sqrt(n)
 checkpointing, recompute everything), applies changes to groups of activations that repeat
 across blocks (a layer's attention scores in every layer, say) and trades between two such
-groups (one kept, the other freed), then single-activation changes
+groups (one kept, the other freed), then clusters of kept activations that read one another,
+then single-activation changes
 (keep / swap / recompute) that make the simulated step faster while the peak stays under the limit, until no
 change helps or its budget (op-simulations, so the plan does not depend on the machine) is
 spent; on graphs small enough it then runs the exact search's branch and bound from that plan
@@ -17,17 +18,17 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import FxpoochError, InfeasibleMemoryLimit
-from ..schedule import Decision, chain_inputs
+from ..schedule import Decision
 from .registry import register
 from .baselines import checkpoint_plan
 from .bounds import Bounds
 from .branch import BranchAndBound, ExactResult, branch_and_bound
 from .fixed import FixedBound
 from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget
+from .moves import clusters, exchange, linked, with_group
 from .pooch import plan_pooch
 
 log = logging.getLogger("fxpooch.planner.search")
@@ -94,70 +95,6 @@ def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     return best
 
 
-def exchange(ev: Evaluator, best: Candidate, order: list[int], stop_at: int) -> Candidate | None:
-    """The first faster fitting plan that trades the decisions of two activations of the same
-    bytes (keep the first and recompute the second rather than the reverse, say: the same memory
-    freed, by a cheaper chain), or None; ``order``: largest first."""
-    acts = ev.graph.activations
-    nbytes = [ev.graph.buffers[act.buffer].nbytes for act in acts]
-    for i, a in enumerate(order):
-        for b in order[i + 1:]:
-            if nbytes[b] != nbytes[a]:
-                break
-            da, db = best.decisions[a], best.decisions[b]
-            if da is db or (Decision.SWAP in (da, db) and not (acts[a].swappable and acts[b].swappable)):
-                continue
-            if ev.simulations >= stop_at:
-                return None
-            trial = list(best.decisions)
-            trial[a], trial[b] = db, da
-            c = ev.evaluate(trial)
-            if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
-                return c
-    return None
-
-
-def linked(ev: Evaluator, best: Candidate, order: list[int], stop_at: int) -> Candidate | None:
-    """The first faster fitting plan that sets an activation and one its shortest recompute chain
-    reads to the same new decision (recompute a convolution's output together with the ReLU
-    output it reads: one chain, where recomputing either alone frees too little or costs a
-    longer chain), with, where that alone misses the limit, one change to the outputs of an op
-    those two chains read or read with them (a batch norm's saved mean and inverse deviation,
-    beside its ReLU output: swapped together rather than rebuilt by a chain of their own);
-    or None. ``order``: largest first."""
-    acts = ev.graph.activations
-    inputs = [chain_inputs(ev.graph, a, ev.owner) for a in range(len(acts))]
-    readers: dict[int, set[int]] = {}
-    for c, read in enumerate(inputs):
-        for a in read:
-            readers.setdefault(a, set()).add(c)
-    outputs: dict[int, list[int]] = {}  # an op's saved outputs, decided together
-    for a, act in enumerate(acts):
-        outputs.setdefault(act.producer, []).append(a)
-    for b in order:
-        for a in inputs[b]:
-            near = {*inputs[a], *inputs[b], *(c for i in inputs[a] + inputs[b] for c in readers[i])} - {a, b}
-            units = sorted({tuple(c for c in outputs[acts[n].producer] if c not in (a, b)) for n in near})
-            for d in Decision:
-                if best.decisions[a] is d or best.decisions[b] is d or (
-                        d is Decision.SWAP and not (acts[a].swappable and acts[b].swappable)):
-                    continue  # one change: tried already
-                trial = list(best.decisions)
-                trial[a] = trial[b] = d
-                tries = [trial] + [_with_group(trial, acts, list(u), e) for u in units for e in Decision
-                                   if any(trial[c] is not e for c in u)
-                                   and (e is not Decision.SWAP or all(acts[c].swappable for c in u))]
-                for t in tries:
-                    if ev.simulations >= stop_at:
-                        return None
-                    c = ev.evaluate(t)
-                    if c is not None and c.fits:
-                        if c.step_time < best.step_time * (1 - 1e-9):
-                            return c
-                        break  # fits: the pair alone is no faster
-    return None
-
-
 def repeated_groups(ev: Evaluator) -> list[list[int]]:
     """Activations that play the same part in repeated blocks (transformer layers, residual
     stages): same producing op target, bytes and member count; groups of two or more, largest
@@ -176,16 +113,6 @@ def halves(groups: list[list[int]]) -> list[list[int]]:
     return [part for g in groups for part in (g[:len(g) // 2], g[len(g) // 2:]) if len(part) > 1]
 
 
-def _with_group(decisions: Sequence[Decision], acts, group: list[int], d: Decision) -> list[Decision]:
-    """``decisions`` with every member of ``group`` set to ``d`` (those that cannot be swapped
-    keep theirs when ``d`` is swap)."""
-    out = list(decisions)
-    for a in group:
-        if d is not Decision.SWAP or acts[a].swappable:
-            out[a] = d
-    return out
-
-
 def group_descent(ev: Evaluator, seed: Candidate, groups: list[list[int]], stop_at: int) -> Candidate:
     """First-improvement descent where each move sets a whole group to keep, swap or recompute,
     until no move helps or ``ev.simulations`` reaches ``stop_at``."""
@@ -197,7 +124,7 @@ def group_descent(ev: Evaluator, seed: Candidate, groups: list[list[int]], stop_
             for d in Decision:
                 if ev.simulations >= stop_at:
                     break
-                trial = _with_group(best.decisions, ev.graph.activations, group, d)
+                trial = with_group(best.decisions, ev.graph.activations, group, d)
                 if trial == list(best.decisions):
                     continue
                 c = ev.evaluate(trial)
@@ -222,7 +149,7 @@ def group_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop_at
                     for j in range(len(parts)) if kept[j] >= freed[i] and not set(parts[i]) & set(parts[j])
                     for d in (Decision.RECOMPUTE, Decision.SWAP))
     for _, i, j, d in trades:
-        trial = _with_group(_with_group(best.decisions, acts, parts[i], Decision.KEEP), acts, parts[j], d)
+        trial = with_group(with_group(best.decisions, acts, parts[i], Decision.KEEP), acts, parts[j], d)
         if trial == list(best.decisions):
             continue
         if ev.simulations >= stop_at:
@@ -270,13 +197,15 @@ def seeds(ev: Evaluator, name: str) -> Candidate:
 
 
 def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Candidate:
-    """The best of PoocH's plan and the reference plans, then local search; on graphs small
-    enough for the exact search, branch and bound from there with the simulations left (the
-    optimum when it finishes)."""
+    """The best of PoocH's plan and the reference plans, then the moves of repeated groups, of
+    clusters (:func:`~fxpooch.planners.moves.clusters`, at most half the simulations left) and local
+    search; on graphs small enough for the exact search, branch and bound from there with the
+    simulations left (the optimum when it finishes)."""
     ev = Evaluator(problem)
     stop_at = simulation_budget(problem.graph, options.work, options.max_simulations, options.min_simulations)
     best = seeds(ev, "local")
     best = group_search(ev, best, max(0, stop_at - ev.simulations))
+    best = clusters(ev, best, ev.simulations + max(0, stop_at - ev.simulations) // 2)
     best = local_search(ev, best, max(0, stop_at - ev.simulations))
     if len(problem.graph.activations) <= options.max_exact and ev.simulations < stop_at:
         search = branch_and_bound(ev, best, stop_at)
