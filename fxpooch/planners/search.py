@@ -28,7 +28,7 @@ from .bounds import Bounds
 from .branch import BranchAndBound, ExactResult, branch_and_bound
 from .fixed import FixedBound
 from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget
-from .moves import clusters, exchange, linked, with_group
+from .moves import clusters, exchange, faster, linked, with_group
 from .pooch import plan_pooch
 
 log = logging.getLogger("fxpooch.planner.search")
@@ -81,8 +81,7 @@ def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
                     break
                 trial = list(best.decisions)
                 trial[a] = d
-                c = ev.evaluate(trial)
-                if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
+                if (c := faster(ev, best, trial)) is not None:
                     best, improved = c, True
                     break
             if ev.simulations >= stop_at:
@@ -127,8 +126,7 @@ def group_descent(ev: Evaluator, seed: Candidate, groups: list[list[int]], stop_
                 trial = with_group(best.decisions, ev.graph.activations, group, d)
                 if trial == list(best.decisions):
                     continue
-                c = ev.evaluate(trial)
-                if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
+                if (c := faster(ev, best, trial)) is not None:
                     best, improved = c, True
     return best
 
@@ -154,8 +152,7 @@ def group_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop_at
             continue
         if ev.simulations >= stop_at:
             return None
-        c = ev.evaluate(trial)
-        if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9):
+        if (c := faster(ev, best, trial)) is not None:
             return c
     return None
 
