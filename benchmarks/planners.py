@@ -129,8 +129,8 @@ def planner_columns(base, limit: int, planners) -> dict:
 
 
 def refresh_planners(path: str, planners, only: set[str] | None) -> list[dict]:
-    """The planners' columns of the saved gap rows made again (the bounds, MILP and exact search, which
-    no planner's plan enters, stay as saved), and the gaps from them."""
+    """The saved gap rows with the planners' columns made again (the bounds, MILP and exact search, which
+    no planner's plan enters, stay as saved); the caller computes the gaps."""
     with open(path) as f:
         data = json.load(f)
     rows = data["rows"]
@@ -143,7 +143,6 @@ def refresh_planners(path: str, planners, only: set[str] | None) -> list[dict]:
         at = dict(limits(base))
         for r in todo:
             r.update(planner_columns(base, at[r["point"]], planners))
-            gaps(r, planners)
         print(f"{name} {hw}: planners re-run", file=sys.stderr, flush=True)
     return rows
 

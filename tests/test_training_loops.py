@@ -34,6 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpooch
+from fxpooch._torch_compat import tree_map
 from fxpooch.memory import Margin
 from fxpooch.planners import Problem, get_planner
 from fxpooch.timing import ProfileOptions
@@ -231,17 +232,7 @@ def make(scenario: Scenario, device: str = "cpu") -> tuple[nn.Module, tuple]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model, args = scenario.build()
-    return model.to(device), to_device(args, device)
-
-
-def to_device(args: Any, device: str) -> Any:
-    if isinstance(args, torch.Tensor):
-        return args.to(device)
-    if isinstance(args, (tuple, list)):
-        return type(args)(to_device(a, device) for a in args)
-    if isinstance(args, dict):
-        return {k: to_device(v, device) for k, v in args.items()}
-    return args
+    return model.to(device), tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, args)
 
 
 class WithLoss(nn.Module):
