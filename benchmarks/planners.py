@@ -24,7 +24,7 @@ three presets, its gap to the best plan and the bound, and planning time vs grap
 (results/planners_sweep.json, results/planners_time.svg).
 
 ``--part exact`` runs only the exact search on the rows of the saved gap part that have no
-optimum and no exact search yet (``--jobs`` processes), and rewrites the JSON and the README's table.
+optimum, or whose exact search ran with other settings (``exact_settings``) (``--jobs`` processes), and rewrites the JSON and the README's table.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from fxpooch.planners import PLANNERS, Evaluator  # noqa: E402
 from fxpooch.planners.bounds import lower_bound  # noqa: E402
 from fxpooch.planners.lp import lp_lower_bound  # noqa: E402
 from fxpooch.planners.milp import milp_lower_bound  # noqa: E402
-from fxpooch.planners.search import exact_search  # noqa: E402
+from fxpooch.planners.search import SearchOptions, exact_search  # noqa: E402
 
 POINTS = (0.0, 0.25, 0.5)  # limit = floor + point * (in-core - floor)
 #: the budgeted exact search's work per row, in op-simulations (a simulation of an n-op step
@@ -171,18 +171,29 @@ def bound_columns(base, limit: int) -> dict:
     return out
 
 
+def exact_settings(activations: int) -> dict:
+    """How the exact search runs on a graph of ``activations``: its op-simulation budget, and the
+    LP of ``planners/fixed.py`` at every node on the graphs the ``exact`` planner takes (at their
+    floors only the LP lifts the bound: test:cnn_bn's PCIe5 floor is proved in 23,605 units of
+    work with it, and stays at the root's bound after 32,258 without)."""
+    return {"work": EXACT_WORK, "lp_bounds": activations <= SearchOptions().max_exact}
+
+
 def exact_columns(base, limit: int) -> dict:
     """The budgeted exact search: its best plan and proved bound relative to in-core, the optimum
-    where it proved one, its work and CPU seconds."""
+    where it proved one, its work and CPU seconds, and its settings."""
     ic = base.in_core_time
+    settings = exact_settings(len(base.graph.activations))
     t0 = time.process_time()
-    res = exact_search(problem_of(base, limit), work=max(1, EXACT_WORK // len(base.graph.ops)))
+    res = exact_search(problem_of(base, limit), SearchOptions(lp_bounds=settings["lp_bounds"]),
+                       work=max(1, settings["work"] // len(base.graph.ops)))
     best = None if res.best is None else res.best.step_time / ic
     return {"exact_best": best, "exact_bound": None if res.bound == math.inf else res.bound / ic,
             "exact_proved": res.proved, "exact_work": res.work, "exact_nodes": res.nodes,
             "exact_s": time.process_time() - t0,
             "exact_decisions": None if res.best is None else "".join(d.value[0] for d in res.best.decisions),
-            "optimum": best if res.proved else None, "optimum_from": "exact" if res.proved and best else None}
+            "optimum": best if res.proved else None, "optimum_from": "exact" if res.proved and best else None,
+            "exact_settings": settings}
 
 
 def gaps(row: dict, planners) -> None:
@@ -223,17 +234,19 @@ def _exact_task(task: tuple) -> list[tuple[int, dict]]:
 
 
 def fill_exact(path: str, jobs: int, only: set[str] | None) -> list[dict]:
-    """The exact columns of the saved gap rows that have no optimum and no exact search yet, in
-    ``jobs`` processes."""
+    """The exact columns of the saved gap rows that have no optimum and no exact search yet, or one
+    run with other settings than :func:`exact_settings` gives now, in ``jobs`` processes."""
     with open(path) as f:
         data = json.load(f)
     rows = data["rows"]
     tasks: dict[tuple, list] = {}
     for i, r in enumerate(rows):
-        if r["optimum"] is None and "exact_s" not in r and r["activations"] <= MILP_UP_TO and (
+        stale = r.get("exact_settings") != exact_settings(r["activations"])
+        if r["optimum"] is None and stale and r["activations"] <= MILP_UP_TO and (
                 only is None or r["model"] in only):
             tasks.setdefault((r["model"], r["batch"], r["hardware"]), []).append((i, r["point"]))
-    data["exact_command"] = f"python benchmarks/planners.py --part exact (EXACT_WORK {EXACT_WORK:,} op-simulations per row)"
+    data["exact_command"] = (f"python benchmarks/planners.py --part exact (EXACT_WORK {EXACT_WORK:,} op-simulations per row, "
+                             f"the LP at every node up to {SearchOptions().max_exact} activations)")
     smallest_first = sorted(tasks.items(), key=lambda t: (rows[t[1][0][0]]["ops"], t[0]))
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         for done in pool.imap_unordered(_exact_task, smallest_first):
@@ -352,7 +365,8 @@ def write_readme(path: str, rows: list[dict], planners) -> None:
     body = ("\n`python benchmarks/planners.py --part gap` (benchmarks/results/planners.json; simulated on the analytic "
             "cost model; * a MILP stopped at its time limit, its proved bound; (bound) an optimum proved by the "
             "bound; the optimum column from `--part exact`, the exact search at "
-            f"{EXACT_WORK:,} op-simulations per row: open, the best bound and the fastest plan known where the "
+            f"{EXACT_WORK:,} op-simulations per row, with the LP at every node on graphs of at most "
+            f"{SearchOptions().max_exact} activations: open, the best bound and the fastest plan known where the "
             "budget ran out, and local's gap to the optimum as the range they allow):\n\n"
             f"{gap_table(rows, planners, markdown=True)}\n")
     planners_sweep.replace_between(path, README_BEGIN, README_END, body)
