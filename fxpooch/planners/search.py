@@ -28,7 +28,7 @@ from .bounds import Bounds
 from .branch import BranchAndBound, ExactResult, branch_and_bound
 from .fixed import FixedBound
 from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget
-from .moves import clusters, exchange, faster, linked, with_group
+from .moves import clusters, exchange, faster, followups, linked, with_group
 from .pooch import plan_pooch
 
 log = logging.getLogger("fxpooch.planner.search")
@@ -64,7 +64,8 @@ class SearchOptions:
 def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     """First-improvement descent over single-activation changes, largest activations first, then
     (where none helps) trades between two activations of the same bytes (:func:`exchange`), then
-    changes of two linked activations (:func:`linked`), until no change helps or
+    changes of two linked activations (:func:`linked`), then a change with a follow-up near it
+    (:func:`followups`), until no change helps or
     ``simulations`` more plans have been judged."""
     stop_at = ev.simulations + simulations
     floor = ev.evaluate(ev.all_keep()).step_time  # nothing beats in-core (cheaper than lower_bound)
@@ -86,7 +87,7 @@ def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
                     break
             if ev.simulations >= stop_at:
                 break
-        for move in (exchange, linked):
+        for move in (exchange, linked, followups):
             if not improved and ev.simulations < stop_at:
                 found = move(ev, best, order, stop_at)
                 best, improved = (found, True) if found is not None else (best, False)
