@@ -313,34 +313,48 @@ def test_local_swaps_the_outputs_of_one_op_together():
     assert get_planner("local")(prob).step_time <= moved.step_time
 
 
+def _stuck_at_floor(name: str, batch: int, hardware: str, plan: str):
+    """The gap table's problem at the floor of ``name`` on ``hardware``, its evaluator, the plan of
+    the letters ``plan`` (one per activation: k, s or r) and the activations largest first."""
+    import planners as bench  # benchmarks/planners.py: the gap table's models and limits
+    from fxpooch.pipeline import problem_of
+
+    model, x = bench.build(name, batch)
+    base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hardware)
+    prob = problem_of(base, dict(bench.limits(base))[0.0])
+    ev = Evaluator(prob)
+    letter = {"k": K, "s": S, "r": R}
+    stuck = ev.evaluate([letter[c] for c in plan])
+    assert stuck.fits
+    order = sorted(range(len(stuck.decisions)), key=lambda a: -ev.graph.buffers[ev.graph.activations[a].buffer].nbytes)
+    return prob, ev, stuck, order
+
+
+def _assert_no_single_trade_or_linked_move_helps(ev, stuck, order) -> None:
+    from fxpooch.planners.moves import exchange, linked
+
+    for a, act in enumerate(ev.graph.activations):
+        for d in Decision:
+            if d is not stuck.decisions[a] and (d is not S or act.swappable):
+                c = ev.evaluate([*stuck.decisions[:a], d, *stuck.decisions[a + 1:]])
+                assert c is None or not c.fits or c.step_time >= stuck.step_time * (1 - 1e-9)
+    assert exchange(ev, stuck, order, stop_at=10**9) is None
+    assert linked(ev, stuck, order, stop_at=10**9) is None
+
+
 def test_local_recomputes_a_cluster_of_a_gelus_intermediates():
     """GPT-2 at 2 layers at its floor over PCIe3, from the plan ``local`` stopped at before it had
     cluster moves (1.642x the in-core step). A GELU's intermediates read the MLP's first output and
     one another: recomputing kept activations that read one another together (one short chain) is
     8% faster. No single change, trade of two (``exchange``) nor linked pair, with any budget, helps."""
     pytest.importorskip("transformers")
-    import planners as bench  # benchmarks/planners.py: the gap table's GPT-2 and limits
-    from fxpooch.pipeline import problem_of
-    from fxpooch.planners.moves import clusters, exchange, linked
+    from fxpooch.planners.moves import clusters
 
-    model, x = bench.build("gpt2-2L", 8)
-    base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware="v100-pcie3")
-    prob = problem_of(base, dict(bench.limits(base))[0.0])
-    ev = Evaluator(prob)
-    letter = {"k": K, "s": S, "r": R}
-    stuck = ev.evaluate([letter[c] for c in "sssssrrsssskrssrrrrrrrrssrrrrrskkksssssskrkkkkkkk"])
-    assert stuck.fits
+    prob, ev, stuck, order = _stuck_at_floor("gpt2-2L", 8, "v100-pcie3", "sssssrrsssskrssrrrrrrrrssrrrrrskkksssssskrkkkkkkk")
     moved = clusters(ev, stuck, stop_at=ev.simulations + 100)
     assert "".join(d.value[0] for d in moved.decisions) == "sssssrrsssskrssrrrrrrrrssrrrrrskkkssssssrrrrkkkkk"
     assert moved.fits and moved.step_time < 0.92 * stuck.step_time
-    for a, act in enumerate(ev.graph.activations):
-        for d in Decision:
-            if d is not stuck.decisions[a] and (d is not S or act.swappable):
-                c = ev.evaluate([*stuck.decisions[:a], d, *stuck.decisions[a + 1:]])
-                assert c is None or not c.fits or c.step_time >= stuck.step_time * (1 - 1e-9)
-    order = sorted(range(len(stuck.decisions)), key=lambda a: -ev.graph.buffers[ev.graph.activations[a].buffer].nbytes)
-    assert exchange(ev, stuck, order, stop_at=10**9) is None
-    assert linked(ev, stuck, order, stop_at=10**9) is None
+    _assert_no_single_trade_or_linked_move_helps(ev, stuck, order)
     assert get_planner("local")(prob).step_time <= moved.step_time
 
 
@@ -350,18 +364,9 @@ def test_local_follows_a_change_with_one_near_it():
     is slower alone (1.414x); the chain through the clone then no longer runs, and the dropout mask
     two chain links away can stay on the device: 1.338x, the optimum the exact search proves
     (benchmarks/results/planners.json). No single change, trade of two nor linked pair helps."""
-    import planners as bench  # benchmarks/planners.py: the gap table's models and limits
-    from fxpooch.pipeline import problem_of
-    from fxpooch.planners.moves import exchange, followups, linked
+    from fxpooch.planners.moves import followups
 
-    model, x = bench.build("test:transformer_block", 0)
-    base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware="v100-pcie3")
-    prob = problem_of(base, dict(bench.limits(base))[0.0])
-    ev = Evaluator(prob)
-    letter = {"k": K, "s": S, "r": R}
-    stuck = ev.evaluate([letter[c] for c in "ssrrrrrsskssrrkk"])
-    assert stuck.fits
-    order = sorted(range(len(stuck.decisions)), key=lambda a: -ev.graph.buffers[ev.graph.activations[a].buffer].nbytes)
+    prob, ev, stuck, order = _stuck_at_floor("test:transformer_block", 0, "v100-pcie3", "ssrrrrrsskssrrkk")
     clone, mask = 6, 8
     assert (ev.graph.ops[ev.graph.activations[clone].producer].target,
             ev.graph.ops[ev.graph.activations[mask].producer].target) == ("aten.clone.default", "aten.native_dropout.default")
@@ -370,11 +375,5 @@ def test_local_follows_a_change_with_one_near_it():
     moved = followups(ev, stuck, order, stop_at=ev.simulations + 200)
     assert "".join(d.value[0] for d in moved.decisions) == "ssrrrrsskkssrrkk"
     assert moved.fits and moved.step_time < 0.96 * stuck.step_time
-    for a, act in enumerate(ev.graph.activations):
-        for d in Decision:
-            if d is not stuck.decisions[a] and (d is not S or act.swappable):
-                c = ev.evaluate([*stuck.decisions[:a], d, *stuck.decisions[a + 1:]])
-                assert c is None or not c.fits or c.step_time >= stuck.step_time * (1 - 1e-9)
-    assert exchange(ev, stuck, order, stop_at=10**9) is None
-    assert linked(ev, stuck, order, stop_at=10**9) is None
+    _assert_no_single_trade_or_linked_move_helps(ev, stuck, order)
     assert get_planner("local")(prob).step_time <= moved.step_time * (1 + 1e-9)
