@@ -53,8 +53,10 @@ class SearchOptions:
     max_exact: int = 20
     #: the exact search also prunes with the LP of ``lp.py`` with the decided activations fixed
     #: (``fixed.py``; where scipy is installed): one solve per child not cut by the cheaper bounds.
-    #: Off by default: on the zoo's 13-16 activation graphs it raises the proved bound less per
-    #: CPU second than the cut bounds alone (a solve costs about five simulations there)
+    #: Off by default: a solve costs several simulations' time, and away from the floor the cut
+    #: bounds alone prove the zoo's 13-16 activation graphs sooner. At a floor only the LP lifts the
+    #: bound (test:cnn_bn's PCIe5 floor: proved in 24k units of work with it, left 19% open after
+    #: 32k without); ``benchmarks/planners.py`` turns it on up to ``max_exact`` activations
     lp_bounds: bool = False
     #: HiGHS's node limit on the exact search's root MILP (its bound and its point, a seed; 0:
     #: none): about 8 CPU seconds on GPT-2 at 2 layers (49 activations), far less on smaller graphs
