@@ -24,7 +24,8 @@ three presets, its gap to the best plan and the bound, and planning time vs grap
 (results/planners_sweep.json, results/planners_time.svg).
 
 ``--part exact`` runs only the exact search on the rows of the saved gap part that have no
-optimum, or whose exact search ran with other settings (``exact_settings``) (``--jobs`` processes), and rewrites the JSON and the README's table.
+optimum and no exact search with today's settings (``exact_settings``), in ``--jobs`` processes,
+and rewrites the JSON and the README's table.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Moves of the local search that change several activations at once, each judged by a simulation:
 two activations of the same bytes trading decisions (:func:`exchange`), an activation and one its
-recompute chain reads (:func:`linked`), a change with a follow-up near it (:func:`followups`), and clusters of kept activations that read one another
-(:func:`clusters`). Each returns a faster plan that fits, or says that none of its moves gave one,
-within a budget of simulations (``stop_at``, a value of ``ev.simulations``)."""
+recompute chain reads (:func:`linked`), a change with a follow-up near it (:func:`followups`), and
+clusters of kept activations that read one another (:func:`clusters`). Each returns a faster plan
+that fits, or says that none of its moves gave one, within a budget of simulations (``stop_at``, a
+value of ``ev.simulations``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -103,13 +104,14 @@ def followups(ev: Evaluator, best: Candidate, order: list[int], stop_at: int) ->
     or reads a value whose chain reads it); or None. ``order``: largest first.
 
     Swapping a 1 MiB clone that ``local`` recomputed costs time alone, but the chain through it no
-    longer runs, and a dropout mask that chain's reader fed can then stay on the device instead of
-    being swapped (test:transformer_block at its floor over PCIe3: 1.398x -> 1.338x, the optimum)."""
+    longer runs, and the dropout mask two links away can then stay on the device instead of being
+    swapped (test:transformer_block at its floor over PCIe3: 1.398x -> 1.338x, the optimum)."""
     acts = ev.graph.activations
     inputs, readers = chain_readers(ev)
     links = [set(inputs[a]) | readers.get(a, set()) for a in range(len(acts))]
+    rank = {a: i for i, a in enumerate(order)}
     for a in order:
-        near = sorted(links[a].union(*(links[b] for b in links[a])) - {a}, key=order.index)
+        near = sorted(links[a].union(*(links[b] for b in links[a])) - {a}, key=rank.__getitem__)
         for d in Decision:
             if d is best.decisions[a] or (d is Decision.SWAP and not acts[a].swappable) or not near:
                 continue
