@@ -25,11 +25,13 @@ three presets, its gap to the best plan and the bound, and planning time vs grap
 
 ``--part exact`` runs only the exact search on the rows of the saved gap part that have no
 optimum and no exact search with today's settings (``exact_settings``), in ``--jobs`` processes,
-and rewrites the JSON and the README's table.
+and rewrites the JSON and the README's table. ``--part bounds`` re-runs the cut, LP and MILP
+bounds alone on every saved row (after the model changed), the same way.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -51,7 +53,7 @@ from fxpooch.errors import InfeasibleMemoryLimit  # noqa: E402
 from fxpooch.pipeline import problem_of  # noqa: E402
 from fxpooch.planners import PLANNERS, Evaluator  # noqa: E402
 from fxpooch.planners.bounds import lower_bound  # noqa: E402
-from fxpooch.planners.lp import lp_lower_bound  # noqa: E402
+from fxpooch.planners.lp import Families, lp_lower_bound  # noqa: E402
 from fxpooch.planners.milp import milp_lower_bound  # noqa: E402
 from fxpooch.planners.search import SearchOptions, exact_search  # noqa: E402
 
@@ -148,9 +150,9 @@ def refresh_planners(path: str, planners, only: set[str] | None) -> list[dict]:
     return rows
 
 
-def bound_columns(base, limit: int) -> dict:
+def bound_columns(base, limit: int, exact: bool = True) -> dict:
     """The bounds relative to in-core (None where none ran or no plan fits), their CPU seconds, and
-    the optimum where ``exact`` runs."""
+    (``exact``) the optimum where the exact search runs."""
     ic, n = base.in_core_time, len(base.graph.activations)
     out: dict = {}
     for key, fn in (("cut", lower_bound), ("lp", lp_lower_bound if n <= MILP_UP_TO else None),
@@ -165,6 +167,8 @@ def bound_columns(base, limit: int) -> dict:
         if value == math.inf:
             out["no_plan_fits"] = True
     out.setdefault("no_plan_fits", False)
+    if not exact:
+        return out
     if n <= EXACT_IN_GAP_UP_TO:
         out.update(exact_columns(base, limit))
     else:
@@ -176,8 +180,13 @@ def exact_settings(activations: int) -> dict:
     """How the exact search runs on a graph of ``activations``: its op-simulation budget, and the
     LP of ``planners/fixed.py`` at every node on the graphs the ``exact`` planner takes (at their
     floors only the LP lifts the bound: test:cnn_bn's PCIe5 floor is proved in 23,605 units of
-    work with it, and stays at the root's bound after 32,258 without)."""
-    return {"work": EXACT_WORK, "lp_bounds": activations <= SearchOptions().max_exact}
+    work with it, and stays at the root's bound after 32,258 without); with the LP, the families
+    of inequalities its model has (``lp.Families``)."""
+    lp_bounds = activations <= SearchOptions().max_exact
+    out = {"work": EXACT_WORK, "lp_bounds": lp_bounds}
+    if lp_bounds:
+        out["families"] = [f.name for f in dataclasses.fields(Families) if getattr(Families(), f.name)]
+    return out
 
 
 def exact_columns(base, limit: int) -> dict:
@@ -220,37 +229,47 @@ def limits(base) -> list[tuple[float, int]]:
     return [(point, int(floor + point * (base.in_core_peak_bytes - floor))) for point in POINTS]
 
 
-def _exact_task(task: tuple) -> list[tuple[int, dict]]:
-    (name, batch, hw), rows = task
+def _refresh_task(task: tuple) -> list[tuple[int, dict]]:
+    """One model and preset of :func:`refresh`: the columns of ``part`` at each of its rows."""
+    (name, batch, hw), part, rows = task
     torch.set_num_threads(1)
     model, x = build(name, batch)
     base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
     at = dict(limits(base))
     out = []
     for i, point in rows:
-        out.append((i, exact_columns(base, at[point])))
-        print(f"{name} {hw} {point}: {out[-1][1]['exact_s']:.1f} s, proved {out[-1][1]['exact_proved']}",
-              file=sys.stderr, flush=True)
+        if part == "exact":
+            out.append((i, exact_columns(base, at[point])))
+            said = f"{out[-1][1]['exact_s']:.1f} s, proved {out[-1][1]['exact_proved']}"
+        else:
+            out.append((i, bound_columns(base, at[point], exact=False)))
+            said = f"MILP {out[-1][1]['milp_s']:.1f} s" if "milp_s" in out[-1][1] else ""
+        print(f"{name} {hw} {point}: {said}", file=sys.stderr, flush=True)
     return out
 
 
-def fill_exact(path: str, jobs: int, only: set[str] | None) -> list[dict]:
-    """The exact columns of the saved gap rows that have no optimum and no exact search yet, or one
-    run with other settings than :func:`exact_settings` gives now, in ``jobs`` processes."""
+def refresh(path: str, part: str, jobs: int, only: set[str] | None) -> list[dict]:
+    """The saved gap rows' columns of ``part``, made again in ``jobs`` processes: ``exact``, on the
+    rows that have no optimum and no exact search yet, or one run with other settings than
+    :func:`exact_settings` gives now; ``bounds``, the cut, LP and MILP bounds on every row."""
     with open(path) as f:
         data = json.load(f)
     rows = data["rows"]
     tasks: dict[tuple, list] = {}
     for i, r in enumerate(rows):
+        if only is not None and r["model"] not in only:
+            continue
         stale = r.get("exact_settings") != exact_settings(r["activations"])
-        if r["optimum"] is None and stale and r["activations"] <= MILP_UP_TO and (
-                only is None or r["model"] in only):
+        if part == "bounds" or (r["optimum"] is None and stale and r["activations"] <= MILP_UP_TO):
             tasks.setdefault((r["model"], r["batch"], r["hardware"]), []).append((i, r["point"]))
-    data["exact_command"] = (f"python benchmarks/planners.py --part exact (EXACT_WORK {EXACT_WORK:,} op-simulations per row, "
-                             f"the LP at every node up to {SearchOptions().max_exact} activations)")
-    smallest_first = sorted(tasks.items(), key=lambda t: (rows[t[1][0][0]]["ops"], t[0]))
+    if part == "exact":
+        data["exact_command"] = (f"python benchmarks/planners.py --part exact (EXACT_WORK {EXACT_WORK:,} op-simulations "
+                                 f"per row, the LP at every node up to {SearchOptions().max_exact} activations)")
+    else:
+        data["bounds_command"] = f"python benchmarks/planners.py --part bounds (MILP_SECONDS {MILP_SECONDS:g})"
+    smallest_first = sorted(((key, part, todo) for key, todo in tasks.items()), key=lambda t: (rows[t[2][0][0]]["ops"], t[0]))
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
-        for done in pool.imap_unordered(_exact_task, smallest_first):
+        for done in pool.imap_unordered(_refresh_task, smallest_first):
             for i, cols in done:
                 rows[i].update(cols)
             with open(path, "w") as f:  # each model and preset as it ends
@@ -262,20 +281,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small models and fewer presets (a few minutes)")
     ap.add_argument("--models", help="comma list of the models to run (default: all of the chosen set)")
-    ap.add_argument("--part", choices=("all", "gap", "sweep", "exact", "planners"), default="all",
+    ap.add_argument("--part", choices=("all", "gap", "sweep", "exact", "bounds", "planners"), default="all",
                     help="gap: planners vs the optimum / bound; sweep: the default planner over models, "
                          "limits and presets, with planning time vs graph size; exact: the exact search "
-                         "alone on the saved gap rows without an optimum; planners: the planners alone "
+                         "alone on the saved gap rows without an optimum; bounds: the bounds alone on the saved "
+                         "gap rows (after the model changed); planners: the planners alone "
                          "on the saved gap rows (after a planner changed; the bounds stay)")
-    ap.add_argument("--jobs", type=int, default=1, help="processes for --part exact")
+    ap.add_argument("--jobs", type=int, default=1, help="processes for --part exact and --part bounds")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "planners.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     planners = [p for p in ("pooch", "superneurons", "local") if p in PLANNERS]
-    if args.part in ("exact", "planners"):
+    if args.part in ("exact", "bounds", "planners"):
         only = set(args.models.split(",")) if args.models else None
-        if args.part == "exact":
-            rows = fill_exact(args.out, args.jobs, only)
+        if args.part in ("exact", "bounds"):
+            rows = refresh(args.out, args.part, args.jobs, only)
         else:
             rows = refresh_planners(args.out, planners, only)
         for r in rows:

@@ -42,6 +42,19 @@ the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them
   unrecomputable inputs) on the device; the group issues no RUN, so nothing is freed in it and
   what is absent then was absent at the group's start (the point's evictions). So the point's
   evictions outside ``a``'s held inputs cover ``excess + rebuild(a)`` whenever ``y_a = 1``.
+* *Chain work.* Every chain that rebuilds ``a`` runs each op of ``a``'s shortest chain (``chain_ops``
+  with every other activation available), and a shared segment runs an op once for all it
+  rebuilds: so the step runs each op ``o`` in the shortest chain of some recomputed activation,
+  ``T >= compute + sum_o t_o u_o`` with ``u_o >= x_a^r`` for each such ``a``, plus the reruns of an
+  unshared schedule (``z_ac``; :func:`.lp._chain_sharing`). This is the recompute term of the
+  model's whole step, tighter than the costs of ``Bounds.recompute_costs``, which give an op to
+  the lowest-numbered activation whose chain has it, recomputed or not (a conv's batch norm
+  counted for its statistics, a small activation kept, and never for the large one recomputed).
+  And the same after each point ``p``: what is evicted there is rebuilt after ``θ_p``, so ``T >=
+  θ_p + tail_p + sum_o t_o v_op`` with ``v_op >= r_ap`` over the evicted ``a`` whose shortest chain
+  has ``o``. An unshared schedule emits ``a``'s own chain at its first reader, rerunning the chains
+  of the recomputed activations it reads, so each ``z_ac`` adds its seconds there too once ``a``
+  is evicted at ``p`` (``w >= z_ac + r_ap - 1``): a prefetch stall before ``p`` then delays them all.
 """
 from __future__ import annotations
 
@@ -49,7 +62,7 @@ import bisect
 import math
 from typing import TYPE_CHECKING
 
-from ..schedule import chain_inputs
+from ..schedule import chain_inputs, chain_ops
 from .bounds import Bounds
 
 if TYPE_CHECKING:
@@ -151,3 +164,52 @@ def read_by_chains(bounds: Bounds, model: Model, x: dict, points: list[_Point],
                 p = points[i]
                 if (i, d) in evicted_swap and (p.op > fr[b] or not p.group):
                     model.ge([(evicted_swap[(i, d)], -1.0), (rho, -1.0)], -1.0)
+
+
+def chain_work(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
+               suffix: list[float], evicted: dict[tuple[int, int], int],
+               reruns: list[tuple[int, int, float]], rec: list[float]) -> None:
+    """The recompute work of the whole step and after each point (the module docstring, *Chain
+    work*). ``evicted``: ``(point, activation) -> r_ap``; ``reruns``: ``(a, z_ac, seconds)``."""
+    graph, owner = bounds.ev.graph, bounds.ev.owner
+    op_time = bounds.ev.problem.costs.op_time
+    shortest = {a: chain_ops(graph, a, lambda _: False, owner, strict=False)
+                for a in range(len(graph.activations))
+                if rec[a] < math.inf and model.hi[x[("r", a)]] > 0 and bounds.first_reader[a] is not None}
+
+    def union(chosen: dict[int, int]) -> list[tuple[int, float]]:
+        """``-t_o * u_o`` per op in the shortest chain of an activation of ``chosen`` (its variable)."""
+        holders: dict[int, list[int]] = {}
+        for a, j in chosen.items():
+            for o in shortest[a]:
+                holders.setdefault(o, []).append(j)
+        terms = []
+        for o, js in sorted(holders.items()):
+            seconds = op_time[o] / model.unit
+            if seconds <= 0:
+                continue
+            u = js[0]
+            if len(js) > 1:
+                u = model.var(1.0)
+                for j in js:
+                    model.ge([(u, 1.0), (j, -1.0)], 0.0)
+            terms.append((u, -seconds))
+        return terms
+
+    model.ge([(0, 1.0), *union({a: x[("r", a)] for a in shortest}),
+              *((z, -seconds) for _, z, seconds in reruns)], 1.0)
+    rerun_of: dict[int, list[tuple[int, float]]] = {}
+    for a, z, seconds in reruns:
+        rerun_of.setdefault(a, []).append((z, seconds))
+    at: dict[int, dict[int, int]] = {}
+    for (i, a), j in evicted.items():
+        if a in shortest:
+            at.setdefault(i, {})[a] = j
+    for i, chosen in sorted(at.items()):
+        terms = union(chosen)
+        for a, j in chosen.items():
+            for z, seconds in rerun_of.get(a, ()):
+                w = model.var(1.0)
+                model.ge([(w, 1.0), (z, -1.0), (j, -1.0)], -1.0)
+                terms.append((w, -seconds))
+        model.ge([(0, 1.0), (theta[i], -1.0), *terms], suffix[points[i].op])

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from ..schedule import chain_ops
 from .bounds import Bounds
 from .common import Evaluator
-from .floor import read_by_chains, streams
+from .floor import chain_work, read_by_chains, streams
 
 log = logging.getLogger("fxpooch.planner.lp")
 
@@ -133,6 +133,7 @@ class Families:
     chain_reads: bool = True  # a swap read by a recompute chain is on the device from then on
     head_reads: bool = True  # at a rebuild point, each head's own chain bytes and inputs
     fifo_cuts: bool = True  # an evicted swap's offload ends by the cut behind every earlier offload
+    chain_work: bool = True  # every op of a recomputed activation's shortest chain runs, after each point it is evicted at
 
 
 def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
@@ -191,10 +192,13 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
         heads[a] = [b for b in y if bounds.first_reader[b] < bounds.first_reader[a]
                     and producer in chain_ops(graph, b, lambda c: True, ev.owner, strict=False)]
         model.ge([(ya, 1.0), *((y[b], 1.0) for b in heads[a]), (x[("r", a)], -1.0)], 0.0)
-    extra = _chain_sharing(bounds, model, x, y, rec)
-    model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf] + extra, 1.0)
+    reruns = _chain_sharing(bounds, model, x, y, rec)
+    if not families.chain_work:
+        model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf]
+                 + [(z, -cost) for _, z, cost in reruns], 1.0)
 
     evicted_swap: dict[tuple[int, int], int] = {}  # (point, activation) -> s_ap
+    evicted_recompute: dict[tuple[int, int], int] = {}  # (point, activation) -> r_ap
     for i, p in enumerate(points):
         s_vars, r_vars = [], []
         for a in p.candidates:
@@ -210,6 +214,7 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
                     later = [y[b] for b in heads[a] if (bounds.first_reader[b], 0) >= p.key]
                     model.ge([(y[a], 1.0), *((yb, 1.0) for yb in later), (j, -1.0)], 0.0)
                 r_vars.append((a, j))
+                evicted_recompute[(i, a)] = j
         cover = [(j, float(bounds.nbytes[a])) for a, j in s_vars + r_vars]
         if p.group and families.head_reads:
             for a, nbytes, held in p.heads:  # a's own chain: its bytes, its inputs on the device
@@ -275,15 +280,18 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
                     model.ge([(theta[i], 1.0), (f, -1.0), (j, -upper)], -upper)
     if families.chain_reads:
         read_by_chains(bounds, model, x, points, evicted_swap, rec)
+    if families.chain_work:
+        chain_work(bounds, model, x, points, theta, suffix, evicted_recompute, reruns, rec)
     return model
 
 
-def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int], rec: list[float]) -> list[tuple[int, float]]:
+def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
+                   rec: list[float]) -> list[tuple[int, int, float]]:
     """A plan's schedule shares recompute segments or it does not (``sigma = 1``). Shared: a
     head ``b``'s chain rebuilds every recomputed activation its shortest chain reads that is first
     read later (``y_a + y_b + x_a^r - sigma <= 2``). Not shared: each chain reruns the shortest
-    chains of the recomputed activations it reads, and theirs in turn (``z_ac``); returns the
-    terms ``-seconds * z_ac`` those add to the step, each op counted once per chain."""
+    chains of the recomputed activations it reads, and theirs in turn (``z_ac``); returns
+    ``(a, z_ac, seconds)``: what each adds to ``a``'s chain, each op counted once per chain."""
     ev = bounds.ev
     graph, owner = ev.graph, ev.owner
     sigma = model.var(1.0, True)
@@ -311,7 +319,7 @@ def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int], rec
             cost = sum(op_time[o] for o in chain[c] - seen) / model.unit
             seen |= chain[c]
             if cost > 0:
-                terms.append((z, -cost))
+                terms.append((a, z, cost))
             for d in reads[c]:
                 if d not in parent and d != a:
                     parent[d] = z
