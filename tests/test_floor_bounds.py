@@ -123,3 +123,35 @@ def test_a_recompute_pays_for_the_ops_its_chain_shares():
     assert Bounds(Evaluator(prob)).recompute_costs([None] * 3) == [3.0, 1.0, 1.0]
     assert _bounds(prob, Families(chain_work=False))[1] == pytest.approx(8.5)
     assert _bounds(prob, Families())[1] == pytest.approx(11.5)
+
+
+def test_the_floor_of_a_net_with_batch_norm_is_closed():
+    """cnn_bn at its PCIe5 floor. The optimum (the exact search proved it) recomputes four
+    conv / batch norm / ReLU outputs and swaps one. Only the unshared schedule fits, so each
+    chain runs the chains of the recomputed activations it reads again, and the swap's prefetch
+    stalls compute before them all. The model without ``chain_work`` misses both (its bound is 16%
+    low); with it the MILP proves the plan's step time."""
+    prob = problem("cnn_bn", 0.0, "h100-pcie5")
+    code = {"k": Decision.KEEP, "s": S, "r": Decision.RECOMPUTE}
+    plan = Evaluator(prob).evaluate([code[c] for c in "rkkrrkkrskkkk"])
+    assert plan.fits and not plan.shared
+    assert _bounds(prob, Families())[1] == pytest.approx(plan.step_time, rel=MIP_GAP)
+    assert _bounds(prob, Families(chain_work=False))[1] / plan.step_time == pytest.approx(0.842, abs=1e-3)
+
+
+def test_a_swap_a_recompute_chain_reads_is_back_before_the_chain():
+    """a1 (a 4 s conv, 4 MiB; offload 1 s, prefetch 3 s) feeds c (0.5 s, 4 MiB), which t reads;
+    the backward reads t, c, then a1. Under 10 MiB (in-core needs 13) the optimum swaps a1 and
+    recomputes c, whose chain reads a1: a1's prefetch, issued when the forward ends at 7.5 s,
+    must end (10.5 s) before c's chain runs, not before g1 reads a1, so compute waits 1 s after
+    gt and the step takes 14 s. Without ``chain_deadlines`` the MILP bounds 13 s; with them 14."""
+    graph, costs = build([("a1", ["x"], 4, 4, CONV), ("c", ["a1"], 0.5, 4), ("t", ["c"], 2, 4, CONV),
+                          ("loss", ["t"], 0.5, 0)],
+                         [("gt", ["t"], 2), ("gc", ["c"], 1), ("g1", ["a1"], 2)],
+                         {"a1": (1, 3), "c": (8, 8), "t": (8, 8)})
+    prob = Problem(graph, costs, 10 * MiB)
+    times = brute_force(prob)
+    R, K = Decision.RECOMPUTE, Decision.KEEP
+    assert min(times.values()) == times[(S, R, K)] == 14.0
+    assert _bounds(prob, Families(chain_deadlines=False))[1] == pytest.approx(13.0)
+    assert _bounds(prob, Families())[1] == pytest.approx(14.0)

@@ -55,6 +55,14 @@ the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them
   has ``o``. An unshared schedule emits ``a``'s own chain at its first reader, rerunning the chains
   of the recomputed activations it reads, so each ``z_ac`` adds its seconds there too once ``a``
   is evicted at ``p`` (``w >= z_ac + r_ap - 1``): a prefetch stall before ``p`` then delays them all.
+* *Chain deadlines.* A swapped ``d`` that the shortest chain of a recomputed ``c`` reads is
+  prefetched before the first chain that reads it (``build_schedule``), which runs by ``c``'s
+  first reader: so compute reaches that reader only after ``d``'s prefetch and the ops of ``c``'s
+  chain from the one that reads ``d`` on, ``T >= G_d + after_dc + tail(fr_c)`` where ``c`` is
+  recomputed (with ``G_d`` of *Streams*). Per point ``p``, where ``d`` is evicted and ``c``
+  recomputed (``w >= s_dp + x_c^r - 1``), ``d``'s prefetch comes after those of the evictees
+  first read by ``fr_c`` or earlier (all are back by then), so ``E' >= E_(last of those) + h_d w``
+  and compute reaches ``fr_c`` (and the first point after it) only after ``E' + after_dc w``.
 """
 from __future__ import annotations
 
@@ -70,8 +78,8 @@ if TYPE_CHECKING:
 
 
 def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
-             prefix: list[float], suffix: list[float], d2h: list[float],
-             h2d: list[float]) -> dict[int, tuple[int, float]]:
+             prefix: list[float], suffix: list[float], d2h: list[float], h2d: list[float],
+             deadlines: dict[int, list[tuple[int, float]]]) -> dict[int, tuple[int, float]]:
     """Every swap's two copies, evicted at a point or not (the module docstring, *Streams*).
     Returns per swappable activation ``j`` its ``F_j`` variable and ``U_j``."""
     graph = bounds.ev.graph
@@ -113,6 +121,8 @@ def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: 
         g = model.var()  # a's prefetch's end if swapped (else 0 at least)
         model.ge([(g, 1.0), (f, -1.0), (x[("s", a)], -(upper + h2d[a]))], -upper)
         reaches(k, g, 0.0)
+        for c, after in deadlines.get(a, ()):  # T >= g + after + tail(fr c) where c is recomputed
+            model.ge([(0, 1.0), (g, -1.0), (x[("r", c)], -(after + suffix[bounds.first_reader[c]] - suffix[k]))], suffix[k])
     # H2D: every prefetch is issued after the forward; those first read by k or earlier end
     # before k runs, in whatever order they were copied
     prev = phi
@@ -213,3 +223,58 @@ def chain_work(bounds: Bounds, model: Model, x: dict, points: list[_Point], thet
                 model.ge([(w, 1.0), (z, -1.0), (j, -1.0)], -1.0)
                 terms.append((w, -seconds))
         model.ge([(0, 1.0), (theta[i], -1.0), *terms], suffix[points[i].op])
+
+
+def chain_deadlines(bounds: Bounds, model: Model, x: dict, rec: list[float]) -> dict[int, list[tuple[int, float]]]:
+    """Per swappable ``d``: ``(c, seconds)`` for each recomputable ``c`` first read before ``d``
+    whose shortest chain reads ``d`` (the module docstring, *Chain deadlines*); ``seconds``: the
+    ops of that chain that read ``d``, and those after them in it."""
+    graph, owner = bounds.ev.graph, bounds.ev.owner
+    op_time, fr = bounds.ev.problem.costs.op_time, bounds.first_reader
+    out: dict[int, list[tuple[int, float]]] = {}
+    for c in range(len(graph.activations)):
+        if rec[c] == math.inf or model.hi[x[("r", c)]] == 0 or fr[c] is None:
+            continue
+        ops = sorted(chain_ops(graph, c, lambda _: False, owner, strict=False))
+        for d in chain_inputs(graph, c, owner):
+            if model.hi[x[("s", d)]] == 0 or fr[d] is None or fr[d] <= fr[c]:
+                continue
+            reached = set(graph.activations[d].members)
+            after = 0.0
+            for o in ops:  # program order: a chain op's arguments come before it
+                if reached.intersection(graph.ops[o].recompute_args):
+                    reached.add(o)
+                    after += op_time[o] / model.unit
+            out.setdefault(d, []).append((c, after))
+    return out
+
+
+def read_before_chains(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
+                       prefix: list[float], suffix: list[float], h2d: list[float],
+                       chains: list[tuple[float, list[tuple[int, int, int, int]]]],
+                       deadlines: dict[int, list[tuple[int, float]]]) -> None:
+    """Per point, a swap ``a`` evicted there and read by the shortest chain of a recomputed ``c``
+    first read earlier: its prefetch ends, after those of the point's evictees first read by
+    ``c``'s first reader or earlier, before that chain reads it (the module docstring, *Chain
+    deadlines*). ``chains``: per point, the start of its H2D chain after ``θ_p`` and the chain's
+    ``(first reader, activation, s_ap, E)`` in first-reader order."""
+    fr = bounds.first_reader
+    keys = [p.key for p in points]
+    for i, (start, chain) in enumerate(chains):
+        readers = [k for k, *_ in chain]
+        for _, a, j, _ in chain:
+            for c, after in deadlines.get(a, ()):
+                if (fr[c], 1) <= keys[i]:
+                    continue  # c's chains ran before the point: a stays on the device after them
+                n = bisect.bisect_right(readers, fr[c])  # the evictees first read by fr[c] or earlier
+                w = model.var(1.0)  # a evicted here and c recomputed
+                model.ge([(w, 1.0), (j, -1.0), (x[("r", c)], -1.0)], -1.0)
+                e = model.var()
+                if n:
+                    model.ge([(e, 1.0), (chain[n - 1][3], -1.0), (w, -h2d[a])], 0.0)
+                else:
+                    model.ge([(e, 1.0), (theta[i], -1.0), (w, -h2d[a])], start)
+                model.ge([(0, 1.0), (e, -1.0), (w, -after)], suffix[fr[c]])
+                q = bisect.bisect_left(keys, (fr[c], 1))
+                if q < len(points):
+                    model.ge([(theta[q], 1.0), (e, -1.0), (w, -after)], prefix[points[q].op] - prefix[fr[c]])

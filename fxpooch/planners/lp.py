@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from ..schedule import chain_ops
 from .bounds import Bounds
 from .common import Evaluator
-from .floor import chain_work, read_by_chains, streams
+from .floor import chain_deadlines, chain_work, read_before_chains, read_by_chains, streams
 
 log = logging.getLogger("fxpooch.planner.lp")
 
@@ -134,6 +134,7 @@ class Families:
     head_reads: bool = True  # at a rebuild point, each head's own chain bytes and inputs
     fifo_cuts: bool = True  # an evicted swap's offload ends by the cut behind every earlier offload
     chain_work: bool = True  # every op of a recomputed activation's shortest chain runs, after each point it is evicted at
+    chain_deadlines: bool = True  # a swap read by a recompute chain is back before the chain runs
 
 
 def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
@@ -199,6 +200,8 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
 
     evicted_swap: dict[tuple[int, int], int] = {}  # (point, activation) -> s_ap
     evicted_recompute: dict[tuple[int, int], int] = {}  # (point, activation) -> r_ap
+    deadlines = chain_deadlines(bounds, model, x, rec) if families.chain_deadlines else {}
+    h2d_chains: list[tuple[float, list[tuple[int, int, int, int]]]] = []  # per point: start, (k, a, s_ap, E)
     for i, p in enumerate(points):
         s_vars, r_vars = [], []
         for a in p.candidates:
@@ -247,11 +250,13 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
         ends = not p.group and families.cut_ends
         between = prefix[forward_end] - prefix[p.op] if p.forward else costs.op_time[p.op] / unit if ends else 0.0
         prev = None
+        h2d_chains.append((between, []))
         for a, j in sorted(s_vars, key=lambda t: (bounds.first_reader[t[0]], t[0])):
             k = bounds.first_reader[a]
             if k is None:
                 continue
             e = model.var()
+            h2d_chains[-1][1].append((k, a, j, e))
             model.ge([(e, 1.0), (prev if prev is not None else theta[i], -1.0), (j, -h2d[a])],
                      0.0 if prev is not None else between)
             model.ge([(0, 1.0), (e, -1.0)], suffix[k])
@@ -271,8 +276,10 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
                 model.ge([(theta[q], 1.0), (theta[i], -1.0), (r, -1.0)], prefix[points[q].op] - prefix[p.op])
             prev = r
         model.ge([(0, 1.0), (theta[i], -1.0)] + ([(prev, -1.0)] if prev is not None else []), suffix[p.op])
+    if deadlines:
+        read_before_chains(bounds, model, x, points, theta, prefix, suffix, h2d, h2d_chains, deadlines)
     if families.streams:
-        ends = streams(bounds, model, x, points, theta, prefix, suffix, d2h, h2d)
+        ends = streams(bounds, model, x, points, theta, prefix, suffix, d2h, h2d, deadlines)
         if families.fifo_cuts:
             for (i, a), j in evicted_swap.items():  # evicted at a cut: its offload and the earlier ones ended
                 if not points[i].group and a in ends:
