@@ -55,6 +55,10 @@ the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them
   has ``o``. An unshared schedule emits ``a``'s own chain at its first reader, rerunning the chains
   of the recomputed activations it reads, so each ``z_ac`` adds its seconds there too once ``a``
   is evicted at ``p`` (``w >= z_ac + r_ap - 1``): a prefetch stall before ``p`` then delays them all.
+  In first-reader order too: the chain of each evictee ``a`` runs before ``a``'s first reader, so
+  the first point from it on starts no earlier than ``θ_p`` plus those chains and the compute
+  between; shared, ``a`` counts ``Bounds.recompute_costs``'s seconds, unshared (``u >= r_ap +
+  sigma - 1``) its whole shortest chain and its reruns.
 * *Chain deadlines.* A swapped ``d`` that the shortest chain of a recomputed ``c`` reads is
   prefetched before the first chain that reads it (``build_schedule``), which runs by ``c``'s
   first reader: so compute reaches that reader only after ``d``'s prefetch and the ops of ``c``'s
@@ -177,12 +181,14 @@ def read_by_chains(bounds: Bounds, model: Model, x: dict, points: list[_Point],
 
 
 def chain_work(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
-               suffix: list[float], evicted: dict[tuple[int, int], int],
+               prefix: list[float], suffix: list[float], evicted: dict[tuple[int, int], int], sigma: int,
                reruns: list[tuple[int, int, float]], rec: list[float]) -> None:
     """The recompute work of the whole step and after each point (the module docstring, *Chain
-    work*). ``evicted``: ``(point, activation) -> r_ap``; ``reruns``: ``(a, z_ac, seconds)``."""
+    work*). ``evicted``: ``(point, activation) -> r_ap``; ``sigma``: the schedule is not shared;
+    ``reruns``: ``(a, z_ac, seconds)``."""
     graph, owner = bounds.ev.graph, bounds.ev.owner
-    op_time = bounds.ev.problem.costs.op_time
+    op_time, fr = bounds.ev.problem.costs.op_time, bounds.first_reader
+    keys = [p.key for p in points]
     shortest = {a: chain_ops(graph, a, lambda _: False, owner, strict=False)
                 for a in range(len(graph.activations))
                 if rec[a] < math.inf and model.hi[x[("r", a)]] > 0 and bounds.first_reader[a] is not None}
@@ -216,13 +222,33 @@ def chain_work(bounds: Bounds, model: Model, x: dict, points: list[_Point], thet
         if a in shortest:
             at.setdefault(i, {})[a] = j
     for i, chosen in sorted(at.items()):
-        terms = union(chosen)
+        own: dict[int, list[tuple[int, float]]] = {}  # a -> the w of its reruns, with their seconds
         for a, j in chosen.items():
             for z, seconds in rerun_of.get(a, ()):
                 w = model.var(1.0)
                 model.ge([(w, 1.0), (z, -1.0), (j, -1.0)], -1.0)
-                terms.append((w, -seconds))
-        model.ge([(0, 1.0), (theta[i], -1.0), *terms], suffix[points[i].op])
+                own.setdefault(a, []).append((w, seconds))
+        model.ge([(0, 1.0), (theta[i], -1.0), *union(chosen),
+                  *((w, -seconds) for ws in own.values() for w, seconds in ws)], suffix[points[i].op])
+        # by each evictee's first reader its recompute ran, and those of the evictees read
+        # earlier: ``rec`` each where shared; unshared, its whole shortest chain and its reruns
+        prev = None
+        for a in sorted(chosen, key=lambda a: (fr[a], a)):
+            r = model.var()
+            terms = [(r, 1.0), (chosen[a], -rec[a]), *(((prev, -1.0),) if prev is not None else ())]
+            more = sum(op_time[o] for o in shortest[a]) / model.unit - rec[a]
+            if more > 0:
+                u = model.var(1.0)
+                model.ge([(u, 1.0), (chosen[a], -1.0), (sigma, -1.0)], -1.0)
+                terms.append((u, -more))
+            terms.extend((w, -seconds) for w, seconds in own.get(a, ()))
+            model.ge(terms, 0.0)
+            q = bisect.bisect_left(keys, (fr[a], 1))
+            if i < q < len(points):
+                model.ge([(theta[q], 1.0), (theta[i], -1.0), (r, -1.0)], prefix[points[q].op] - prefix[points[i].op])
+            prev = r
+        if prev is not None:
+            model.ge([(0, 1.0), (theta[i], -1.0), (prev, -1.0)], suffix[points[i].op])
 
 
 def chain_deadlines(bounds: Bounds, model: Model, x: dict, rec: list[float]) -> dict[int, list[tuple[int, float]]]:

@@ -193,7 +193,7 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
         heads[a] = [b for b in y if bounds.first_reader[b] < bounds.first_reader[a]
                     and producer in chain_ops(graph, b, lambda c: True, ev.owner, strict=False)]
         model.ge([(ya, 1.0), *((y[b], 1.0) for b in heads[a]), (x[("r", a)], -1.0)], 0.0)
-    reruns = _chain_sharing(bounds, model, x, y, rec)
+    sigma, reruns = _chain_sharing(bounds, model, x, y, rec)
     if not families.chain_work:
         model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf]
                  + [(z, -cost) for _, z, cost in reruns], 1.0)
@@ -264,9 +264,9 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
             if q is not None and q > i:
                 model.ge([(theta[q], 1.0), (e, -1.0)], prefix[points[q].op] - prefix[k])
             prev = e
-        # recomputes: after θ, each before its first reader
+        # recomputes: after θ, each before its first reader (with chain_work, a stronger chain there)
         prev = None
-        for a, j in sorted(r_vars, key=lambda t: (bounds.first_reader[t[0]] or 0, t[0])):
+        for a, j in sorted(r_vars if not families.chain_work else (), key=lambda t: (bounds.first_reader[t[0]] or 0, t[0])):
             if bounds.first_reader[a] is None:
                 continue
             r = model.var()
@@ -288,17 +288,18 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
     if families.chain_reads:
         read_by_chains(bounds, model, x, points, evicted_swap, rec)
     if families.chain_work:
-        chain_work(bounds, model, x, points, theta, suffix, evicted_recompute, reruns, rec)
+        chain_work(bounds, model, x, points, theta, prefix, suffix, evicted_recompute, sigma, reruns, rec)
     return model
 
 
 def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
-                   rec: list[float]) -> list[tuple[int, int, float]]:
+                   rec: list[float]) -> tuple[int, list[tuple[int, int, float]]]:
     """A plan's schedule shares recompute segments or it does not (``sigma = 1``). Shared: a
     head ``b``'s chain rebuilds every recomputed activation its shortest chain reads that is first
     read later (``y_a + y_b + x_a^r - sigma <= 2``). Not shared: each chain reruns the shortest
     chains of the recomputed activations it reads, and theirs in turn (``z_ac``); returns
-    ``(a, z_ac, seconds)``: what each adds to ``a``'s chain, each op counted once per chain."""
+    ``sigma`` and ``(a, z_ac, seconds)``: what each adds to ``a``'s chain, each op counted once
+    per chain."""
     ev = bounds.ev
     graph, owner = ev.graph, ev.owner
     sigma = model.var(1.0, True)
@@ -331,7 +332,7 @@ def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
                 if d not in parent and d != a:
                     parent[d] = z
                     queue.append(d)
-    return terms
+    return sigma, terms
 
 
 def solve(model: Model, integral: bool = False, time_limit: float | None = None):
