@@ -167,6 +167,7 @@ def bound_columns(base, limit: int, exact: bool = True) -> dict:
         if value == math.inf:
             out["no_plan_fits"] = True
     out.setdefault("no_plan_fits", False)
+    out["bound_families"] = families_on()
     if not exact:
         return out
     if n <= EXACT_IN_GAP_UP_TO:
@@ -185,8 +186,13 @@ def exact_settings(activations: int) -> dict:
     lp_bounds = activations <= SearchOptions().max_exact
     out = {"work": EXACT_WORK, "lp_bounds": lp_bounds}
     if lp_bounds:
-        out["families"] = [f.name for f in dataclasses.fields(Families) if getattr(Families(), f.name)]
+        out["families"] = families_on()
     return out
+
+
+def families_on() -> list[str]:
+    """The families of inequalities near the floor the LP and MILP have (``lp.Families``)."""
+    return [f.name for f in dataclasses.fields(Families) if getattr(Families(), f.name)]
 
 
 def exact_columns(base, limit: int) -> dict:
