@@ -264,9 +264,9 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
             if q is not None and q > i:
                 model.ge([(theta[q], 1.0), (e, -1.0)], prefix[points[q].op] - prefix[k])
             prev = e
-        # recomputes: after θ, each before its first reader (with chain_work, a stronger chain there)
+        # recomputes: after θ, each before its first reader (with chain_work, its stronger chain instead)
         prev = None
-        for a, j in sorted(r_vars if not families.chain_work else (), key=lambda t: (bounds.first_reader[t[0]] or 0, t[0])):
+        for a, j in sorted(r_vars, key=lambda t: (bounds.first_reader[t[0]] or 0, t[0])) if not families.chain_work else ():
             if bounds.first_reader[a] is None:
                 continue
             r = model.var()
