@@ -332,11 +332,16 @@ def main(argv=None) -> int:
     rows = run(models, PRESETS_QUICK if args.quick else PRESETS_FULL, planners)
     for r in rows:
         gaps(r, planners)
+    command = "python benchmarks/planners.py --part gap" + (" --quick" if args.quick else "")
+    data = {"simulated": True, "command": command}
+    if args.models and os.path.exists(args.out):  # the other models' rows stay
+        rows = planners_sweep.merged(rows, args.out, list(dict.fromkeys(m[0] for m in FULL + QUICK + models)))
+        with open(args.out) as f:
+            data = {**json.load(f), "gap_command": f"{command} --models {args.models}"}
     print(gap_table(rows, planners))
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"simulated": True, "command": "python benchmarks/planners.py --part gap" + (" --quick" if args.quick else ""),
-                   "rows": rows}, f, indent=1)
+        json.dump({**data, "rows": rows}, f, indent=1)
     write_readme(os.path.join(os.path.dirname(__file__), "..", "README.md"), rows, planners)
     print(f"wrote {args.out}")
     return 0

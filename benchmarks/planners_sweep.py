@@ -216,15 +216,15 @@ def time_picture(rows: list[dict], path: str) -> None:
         f.write("\n".join(out) + "\n")
 
 
-def merged(rows: list[dict], out: str, quick: bool) -> list[dict]:
-    """``rows`` with the rows of every other model kept from ``out`` (a sweep run model by model),
-    in the sweep's model order."""
+def merged(rows: list[dict], out: str, names: list[str]) -> list[dict]:
+    """``rows`` with the rows of every other model of ``names`` kept from ``out`` (a run of some
+    models only), in the order of ``names``."""
     if not os.path.exists(out):
         return rows
     with open(out) as f:
         old = json.load(f)["rows"]
     ran = {r["model"] for r in rows}
-    order = {name: k for k, (name, _) in enumerate(models(quick))}
+    order = {name: k for k, name in enumerate(names)}
     kept = [r for r in old if r["model"] not in ran and r["model"] in order]
     return sorted(kept + rows, key=lambda r: order[r["model"]])  # stable: presets and limits keep their order
 
@@ -232,7 +232,7 @@ def merged(rows: list[dict], out: str, quick: bool) -> list[dict]:
 def main(quick: bool, out: str, only: set[str] | None = None) -> None:
     rows = run(quick, only)
     if only is not None:
-        rows = merged(rows, out, quick)
+        rows = merged(rows, out, [name for name, _ in models(quick)])
 
     def fmt(v):
         return "fails" if v is None else f"{v:.3f}x"

@@ -76,9 +76,9 @@ class Activation:
     buffer: int
     producer: int  # the op that allocates the storage
     members: tuple[int, ...]  # saved forward ops whose values live on this storage
-    transfer_bytes: int  # bytes a swap moves each way (its distinct members, copied one by one)
-    member_bytes: tuple[int, ...]  # per member; 0 for a member that repeats an earlier one's layout
-    same_as: tuple[int, ...]  # per member: index of the first member with the same layout
+    transfer_bytes: int  # bytes a swap moves each way (the members with copies of their own)
+    member_bytes: tuple[int, ...]  # per member: bytes its copy moves; 0 for a view of another's copy
+    view_of: tuple[int, ...]  # per member: the member whose copy it is a view of (itself: its own copy)
     swappable: bool
 
 
@@ -176,6 +176,35 @@ def _target_name(node: fx.Node) -> str:
     if node.target is operator.getitem:
         return "getitem"
     return str(node.target)
+
+
+def copies_of(views: list[torch.Tensor]) -> tuple[int, ...]:
+    """Per view of one storage: the view whose copy it can be rebuilt from (itself: it needs a
+    copy of its own). A dense view's copy holds every element of its span, so a view of the same
+    dtype whose elements all lie in that span is a view of the copy (``view_in_copy``): the
+    softmax output that attention saves both as is and reshaped for its matmul is copied once.
+    The largest views are copied first."""
+    out = list(range(len(views)))
+    copied: list[int] = []
+    for i in sorted(range(len(views)), key=lambda i: (-views[i].numel(), i)):
+        out[i] = next((j for j in copied if view_in_copy(views[i], views[j]) is not None), i)
+        if out[i] == i:
+            copied.append(i)
+    return tuple(out)
+
+
+def view_in_copy(view: torch.Tensor, copied: torch.Tensor) -> tuple[list[int], list[int], int] | None:
+    """(shape, stride, storage offset) of ``view`` inside a copy of ``copied`` made with its shape
+    and strides (``empty_strided`` + ``copy_``, storage offset 0), or None when the copy does not
+    hold all of ``view``: ``copied`` is not dense, or has another dtype, or ``view`` reaches
+    outside its span."""
+    if view.dtype != copied.dtype or not _is_dense(copied) or any(s < 0 for s in view.stride()):
+        return None
+    offset = view.storage_offset() - copied.storage_offset()
+    extent = sum((n - 1) * s for n, s in zip(view.shape, view.stride())) + 1 if view.numel() else 0
+    if offset < 0 or offset + extent > copied.numel():
+        return None
+    return list(view.shape), list(view.stride()), offset
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -276,12 +305,11 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                     by_buffer.setdefault(b, []).append(op_id)
         for b, members in by_buffer.items():
             member_vals = [_vals(nodes[m])[0] for m in members]
-            layouts = [(tuple(v.shape), v.stride(), v.storage_offset(), v.dtype) for v in member_vals]
-            same_as = tuple(layouts.index(lay) for lay in layouts)
-            member_bytes = tuple(memory.tensor_bytes(v) if same_as[i] == i else 0 for i, v in enumerate(member_vals))
+            view_of = copies_of(member_vals)
+            member_bytes = tuple(memory.tensor_bytes(v) if view_of[i] == i else 0 for i, v in enumerate(member_vals))
             activations.append(Activation(
                 name=nodes[members[0]].name, graph=g, buffer=b, producer=producer[b], members=tuple(members),
-                transfer_bytes=sum(member_bytes), member_bytes=member_bytes, same_as=same_as,
+                transfer_bytes=sum(member_bytes), member_bytes=member_bytes, view_of=view_of,
                 swappable=all(len(_vals(nodes[m])) == 1 and _is_dense(v) for m, v in zip(members, member_vals)),
             ))
 

@@ -14,6 +14,7 @@ from fxpooch.graph import NodeTable, StepGraph
 from fxpooch.schedule import Decision, Schedule
 
 from .meta import META_KEY
+from .slots import copied_first, view_of_copy
 
 
 def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTable,
@@ -33,17 +34,22 @@ def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTab
         swap = decision is Decision.SWAP
         op = torch.ops.fxpooch.offload.default if swap else torch.ops.fxpooch.drop.default
         prefix = "offload" if swap else "drop"
-        with new_graph.inserting_after(anchor):
-            for i in reversed(range(len(members))):
-                if act.same_as[i] != i and swap:
-                    continue  # the same layout as an earlier member: one copy serves both
-                member = members[i]
-                args = (member, slots[act.members[i]]) if swap else (member,)
-                node = new_graph.create_node("call_function", op, args, name=f"{prefix}_{member.name}")
-                node.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
-                replace[member] = node
-        for i, member in enumerate(members):
-            replace.setdefault(member, replace[members[act.same_as[i]]])
+        after = anchor
+        for i in copied_first(act):
+            member = members[i]
+            with new_graph.inserting_after(after):
+                if swap and act.view_of[i] != i:  # a view of another member's copy: of its host copy
+                    copy = replace[members[act.view_of[i]]]
+                    node = view_of_copy(new_graph, act, i, table, copy, f"host_{member.name}")
+                    if node is None:  # the same layout: the same host copy
+                        replace[member] = copy
+                        continue
+                else:
+                    args = (member, slots[act.members[i]]) if swap else (member,)
+                    node = new_graph.create_node("call_function", op, args, name=f"{prefix}_{member.name}")
+            node.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
+            replace[member] = node
+            after = node
         for member in members:
             member.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
     outputs = list(out)

@@ -17,6 +17,7 @@ from fxpooch.recompute import recompute_call
 from fxpooch.schedule import Kind, Schedule
 
 from .meta import META_KEY
+from .slots import copied_first, view_of_copy
 
 
 def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTable,
@@ -54,7 +55,7 @@ def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTa
         act = graph.activations[ins.act] if ins.act >= 0 else None
         if ins.kind is Kind.PREFETCH:
             for i, m in enumerate(act.members):
-                if act.same_as[i] != i:
+                if act.view_of[i] != i:
                     continue
                 device = table.nodes[m].meta["val"].device
                 p = new.create_node("call_function", torch.ops.fxpooch.prefetch.default, (host[m], device, slots[m]),
@@ -62,14 +63,16 @@ def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTa
                 p.meta[META_KEY] = {"activation": act.name, "decision": "swap"}
                 prefetched[m] = p
         elif ins.kind is Kind.WAIT:
-            for i, m in enumerate(act.members):
-                first = act.members[act.same_as[i]]
-                if first == m:
+            for i in copied_first(act):
+                m = act.members[i]
+                if act.view_of[i] == i:
                     w = new.create_node("call_function", torch.ops.fxpooch.wait.default, (prefetched[m], slots[m]),
                                         name=f"wait_{table.nodes[m].name}")
-                else:  # same layout as an earlier member: an alias of its copy
-                    w = new.create_node("call_function", torch.ops.aten.alias.default, (env[first],),
-                                        name=f"alias_{table.nodes[m].name}")
+                else:  # a view of another member's copy (an alias where their layouts agree)
+                    source = env[act.members[act.view_of[i]]]
+                    w = (view_of_copy(new, act, i, table, source, f"device_{table.nodes[m].name}")
+                         or new.create_node("call_function", torch.ops.aten.alias.default, (source,),
+                                            name=f"alias_{table.nodes[m].name}"))
                 w.meta[META_KEY] = {"activation": act.name, "decision": "swap"}
                 env[m] = w
         elif ins.kind is Kind.RECOMPUTE:

@@ -21,7 +21,7 @@ CONV, CONV_BW = "aten.convolution.default", "aten.convolution_backward.default"
 def _make(cls, **kw):
     """Construct a graph dataclass, filling fields newer than this test with neutral values."""
     names = {f.name for f in dataclasses.fields(cls)}
-    defaults = {"recompute_args": kw.get("args", ()), "same_as": tuple(range(len(kw.get("members", ()))))}
+    defaults = {"recompute_args": kw.get("args", ()), "view_of": tuple(range(len(kw.get("members", ()))))}
     return cls(**kw, **{k: v for k, v in defaults.items() if k in names and k not in kw})
 
 

@@ -9,7 +9,10 @@ import torch.nn as nn
 
 import fxpooch
 from fxpooch.planners import Evaluator
+from fxpooch.graph import copies_of, view_in_copy
 from fxpooch.schedule import Decision
+from measure import measured_step_peak
+from zoo import MiB
 
 FIXED: dict[str, str] = {}
 
@@ -301,3 +304,74 @@ def test_a_host_copy_never_prefetched_returns_its_block():
     assert state.pool.in_use_bytes == 2**20 and set(state.slots) == {0}
     del host  # a forward whose backward never runs
     assert not state.slots and not state.pool.in_use and state.pool.total_bytes == 2**20
+
+
+class Scores(nn.Module):
+    """Attention's core: softmax(q q^T) @ q with q = Linear(x) and (1, 4, 256, 256) scores = 1 MiB.
+    Autograd saves the softmax output twice, as is (softmax's backward) and reshaped to
+    (4, 256, 256) (the matmul's): two layouts of one storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        return (q @ q.transpose(-1, -2)).softmax(-1) @ q
+
+
+def test_a_storage_saved_in_two_layouts_is_copied_once():
+    """Swapping the softmax output moves 1 MiB, not 2: one host copy (one slot), and its other
+    layout is an ``as_strided`` view of that copy, on the host in the forward and on the device in
+    the backward. The step matches eager, and the counter sees the planned peak."""
+    torch.manual_seed(0)
+    model, x = Scores(), torch.randn(1, 4, 256, 64)
+    FIXED.clear()
+    ref = fxpooch.compile(copy.deepcopy(model), x, "1GiB", planner=fixed, profile="analytic", hardware="v100-pcie3")
+    scores = next(a for a in ref.plan.graph.activations if len(a.members) == 2)
+    assert scores.member_bytes == (MiB, 0) and scores.transfer_bytes == MiB and scores.view_of == (0, 0)
+    FIXED.update({scores.name: "swap"})
+    cm = fxpooch.compile(copy.deepcopy(model), x, "1GiB", planner=fixed, profile="analytic", hardware="v100-pcie3")
+    assert protocol(cm.forward_graphs[0], cm.backward_graphs[0]) == SCORES_PROTOCOL
+    views = [line.strip() for gm in (cm.forward_graphs[0], cm.backward_graphs[0])
+             for line in gm.code.splitlines() if "as_strided" in line]
+    assert views == SCORES_VIEWS
+    # the backward's first op reads the scores: back as one 1 MiB storage, the peak is in-core's
+    # (a copy per layout would come back as 2 MiB)
+    assert cm.plan.static_peak_bytes == ref.plan.static_peak_bytes
+    assert measured_step_peak(cm, (x,), cm.plan.graph.resident_bytes) == cm.plan.static_peak_bytes
+    model(x).backward(torch.ones(1, 4, 256, 64))
+    for (name, p), q in zip(cm.model.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+SCORES_PROTOCOL = """\
+    offload_detach = torch.ops.fxpooch.offload.default(detach, 0);  detach = None
+    prefetch_detach = torch.ops.fxpooch.prefetch.default(detach, device(type='cpu'), 0);  detach = None
+    wait_detach = torch.ops.fxpooch.wait.default(prefetch_detach, 0);  prefetch_detach = None
+"""
+SCORES_VIEWS = [
+    "host_view_5 = torch.ops.aten.as_strided.default(offload_detach, [4, 256, 256], [65536, 256, 1], 0)",
+    "device_view_5 = torch.ops.aten.as_strided.default(wait_detach, [4, 256, 256], [65536, 256, 1], 0)",
+]
+
+
+_BASE = torch.arange(24.0).reshape(4, 6)
+
+
+@pytest.mark.parametrize("views, expected", [
+    ([_BASE, _BASE.view(4, 6)], (0, 0)),  # the same layout: one copy
+    ([_BASE.view(2, 12), _BASE], (0, 0)),  # reshaped
+    ([_BASE.t(), _BASE], (0, 0)),  # transposed: a dense copy of either holds the other
+    ([_BASE, _BASE[1:3]], (0, 0)),  # a slice inside the copied span
+    ([_BASE[:2], _BASE[2:]], (0, 1)),  # disjoint halves: a copy each
+    ([_BASE[:, ::2], _BASE[:, :1]], (0, 1)),  # the larger view is not dense: its copy has gaps
+    ([_BASE, _BASE.view(torch.int32)], (0, 1)),  # another dtype
+])
+def test_which_views_of_a_storage_are_copied(views, expected):
+    assert copies_of(views) == expected
+    for i, j in enumerate(expected):  # a view rebuilt from a copy reads the same elements
+        if i != j:
+            copied = torch.empty_strided(views[j].shape, views[j].stride()).copy_(views[j])
+            shape, stride, offset = view_in_copy(views[i], views[j])
+            assert torch.equal(copied.as_strided(shape, stride, offset), views[i])
