@@ -201,6 +201,19 @@ def test_exact_on_zoo_graphs_bounds_the_heuristics(name, hardware, fraction):
     assert get_planner("local")(prob).step_time <= best.step_time * 1.03  # within 3% of the optimum
 
 
+def test_local_on_a_small_graph_also_starts_from_the_milp_point():
+    """transformer_block half way to in-core over PCIe3: the descent settles on swapping the
+    attention's inputs and recomputing the MLP (1.097x in-core); the MILP's point recomputes the
+    softmax instead, and its neighbourhood holds the optimum (1.062x), which ``local`` reaches."""
+    pytest.importorskip("scipy")
+    from fxpooch.planners.search import plan_local
+
+    prob = problem("transformer_block", 0.5)
+    best = plan_exact(prob)
+    assert plan_local(prob).step_time == pytest.approx(best.step_time, rel=1e-12)
+    assert plan_local(prob, SearchOptions(milp_nodes=0)).step_time > best.step_time * 1.03
+
+
 def test_exact_refuses_large_graphs():
     prob = problem("resnet_small", 0.5)
     with pytest.raises(ExactSearchTooLarge, match="max_exact") as info:

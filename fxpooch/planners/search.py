@@ -7,8 +7,9 @@ groups (one kept, the other freed), then clusters of kept activations that read 
 then single-activation changes
 (keep / swap / recompute) that make the simulated step faster while the peak stays under the limit, until no
 change helps or its budget (op-simulations, so the plan does not depend on the machine) is
-spent; on graphs small enough it then runs the exact search's branch and bound from that plan
-with the budget left. It is never slower than ``pooch`` nor than any reference plan that fits. ``exact`` finds
+spent; on graphs small enough it then runs the exact search's branch and bound from that plan,
+or from the MILP's point improved the same way where that is faster (with scipy), with the budget
+left. It is never slower than ``pooch`` nor than any reference plan that fits. ``exact`` finds
 the optimum over every decision vector (3^n) by branch and bound on the simulator (``branch.py``),
 for graphs of at most ``SearchOptions.max_exact`` activations; ``exact_search`` runs it on any
 graph within a budget and returns the best plan found with a proved bound on the optimum, which
@@ -58,8 +59,11 @@ class SearchOptions:
     #: bound (test:cnn_bn's PCIe5 floor: proved in 24k units of work with it, left 19% open after
     #: 32k without); ``benchmarks/planners.py`` turns it on up to ``max_exact`` activations
     lp_bounds: bool = False
-    #: HiGHS's node limit on the exact search's root MILP (its bound and its point, a seed; 0:
-    #: none): about 8 CPU seconds on GPT-2 at 2 layers (49 activations), far less on smaller graphs
+    #: HiGHS's node limit on the root MILP (its bound and its point, a seed; 0: none) of the exact
+    #: search and of ``local``'s branch and bound (graphs of at most ``max_exact`` activations, where
+    #: scipy is installed): about 8 CPU seconds on GPT-2 at 2 layers (49 activations), 0.5 to 5 s
+    #: on the test zoo's 3 to 16. Its point lies in another basin than the descent's: on
+    #: test:transformer_block half way to in-core over PCIe3, the optimum (1.062x in-core, not 1.097x)
     milp_nodes: int = 200
 
 
@@ -199,8 +203,9 @@ def seeds(ev: Evaluator, name: str) -> Candidate:
 def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Candidate:
     """The best of PoocH's plan and the reference plans, then the moves of repeated groups, of
     clusters (:func:`~fxpooch.planners.moves.clusters`, at most half the simulations left) and local
-    search; on graphs small enough for the exact search, branch and bound from there with the
-    simulations left (the optimum when it finishes)."""
+    search; on graphs small enough for the exact search, the MILP's point improved the same way
+    (:func:`milp_seed`) and branch and bound from the better plan with the simulations left and the
+    MILP's bound at its root (the optimum when it finishes)."""
     ev = Evaluator(problem)
     stop_at = simulation_budget(problem.graph, options.work, options.max_simulations, options.min_simulations)
     best = seeds(ev, "local")
@@ -208,11 +213,31 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     best = clusters(ev, best, ev.simulations + max(0, stop_at - ev.simulations) // 2)
     best = local_search(ev, best, max(0, stop_at - ev.simulations))
     if len(problem.graph.activations) <= options.max_exact and ev.simulations < stop_at:
-        search = branch_and_bound(ev, best, stop_at)
+        root = 0.0
+        if options.milp_nodes:
+            root, point = milp_seed(ev, best, options.milp_nodes, stop_at)
+            if point is not None and point.step_time < best.step_time:
+                best = point
+        search = branch_and_bound(ev, best, stop_at, root)
         log.info("local: branch and bound %s after %d nodes", "proved the optimum" if search.proved
                  else "stopped at the budget", search.nodes)
         best = search.best
     return best
+
+
+def milp_seed(ev: Evaluator, best: Candidate, nodes: int, stop_at: int) -> tuple[float, Candidate | None]:
+    """The MILP's dual bound after ``nodes`` of HiGHS's nodes (0 without scipy) and its point,
+    :func:`repair`-ed and improved by local search until ``stop_at`` simulations (None: none fits):
+    a plan in another basin than the descent's, and a bound for the branch and bound's root."""
+    try:
+        fixed = FixedBound(Bounds(ev))
+    except ImportError:
+        return 0.0, None
+    bound, decisions = fixed.milp([None] * len(best.decisions), nodes)
+    start = None if decisions is None else repair(ev, decisions)
+    if start is None:
+        return bound, None
+    return bound, local_search(ev, start, max(0, stop_at - ev.simulations))
 
 
 class ExactSearchTooLarge(FxpoochError, ValueError):
