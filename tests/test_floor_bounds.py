@@ -155,3 +155,23 @@ def test_a_swap_a_recompute_chain_reads_is_back_before_the_chain():
     assert min(times.values()) == times[(S, R, K)] == 14.0
     assert _bounds(prob, Families(chain_deadlines=False))[1] == pytest.approx(13.0)
     assert _bounds(prob, Families())[1] == pytest.approx(14.0)
+
+
+def test_a_swap_read_through_two_recomputed_links_is_back_before_the_first():
+    """cnn_bn a quarter of the way from its PCIe5 floor, a plan that recomputes c (first read
+    first), whose chain reads b, recomputed too and first read later, whose chain reads the
+    swapped d (read last). Only the unshared schedule fits, so c's chain runs b's again and reads
+    d: d's prefetch must end before c's first reader, and compute waits for it. With the decisions
+    fixed the MILP meets the simulated step; a deadline through c's own chain only (d is no input
+    of it) left it 12% low, at the step without the wait."""
+    from fxpooch.planners.fixed import FixedBound
+
+    prob = problem("cnn_bn", 0.25, "h100-pcie5")
+    ev = Evaluator(prob)
+    code = {"k": Decision.KEEP, "s": S, "r": Decision.RECOMPUTE}
+    plan = ev.evaluate([code[c] for c in "rsssrkkrkkkkk"])
+    c, b, d = 7, 4, 3
+    assert plan.fits and not plan.shared
+    assert set(plan.schedule.chains[c]) >= set(plan.schedule.chains[b]) and d not in plan.schedule.chains
+    bound, _ = FixedBound(Bounds(ev)).milp(plan.decisions, 10_000)
+    assert bound == pytest.approx(plan.step_time, rel=MIP_GAP)

@@ -67,6 +67,11 @@ the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them
   recomputed (``w >= s_dp + x_c^r - 1``), ``d``'s prefetch comes after those of the evictees
   first read by ``fr_c`` or earlier (all are back by then), so ``E' >= E_(last of those) + h_d w``
   and compute reaches ``fr_c`` (and the first point after it) only after ``E' + after_dc w``.
+  The same holds one link further: where ``c``'s shortest chain reads a recomputed ``b`` first
+  read after ``c``, and ``b``'s reads ``d``, a chain that rebuilds ``b`` by ``fr_c`` reads ``d``
+  (``c``'s own, or an earlier one), so with ``w`` 1 where ``c`` and ``b`` are recomputed (and
+  ``d`` evicted at ``p``) ``d`` is back before ``fr_c`` less the ops of that longer chain from
+  the read of ``d`` on.
 """
 from __future__ import annotations
 
@@ -83,7 +88,7 @@ if TYPE_CHECKING:
 
 def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
              prefix: list[float], suffix: list[float], d2h: list[float], h2d: list[float],
-             deadlines: dict[int, list[tuple[int, float]]]) -> dict[int, tuple[int, float]]:
+             deadlines: dict[int, list[tuple[int, tuple[int, ...], float]]]) -> dict[int, tuple[int, float]]:
     """Every swap's two copies, evicted at a point or not (the module docstring, *Streams*).
     Returns per swappable activation ``j`` its ``F_j`` variable and ``U_j``."""
     graph = bounds.ev.graph
@@ -125,8 +130,9 @@ def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: 
         g = model.var()  # a's prefetch's end if swapped (else 0 at least)
         model.ge([(g, 1.0), (f, -1.0), (x[("s", a)], -(upper + h2d[a]))], -upper)
         reaches(k, g, 0.0)
-        for c, after in deadlines.get(a, ()):  # T >= g + after + tail(fr c) where c is recomputed
-            model.ge([(0, 1.0), (g, -1.0), (x[("r", c)], -(after + suffix[bounds.first_reader[c]] - suffix[k]))], suffix[k])
+        for c, needs, after in deadlines.get(a, ()):  # T >= g + after + tail(fr c) where needs are recomputed
+            w = recomputed_all(model, x, needs)
+            model.ge([(0, 1.0), (g, -1.0), (w, -(after + suffix[bounds.first_reader[c]] - suffix[k]))], suffix[k])
     # H2D: every prefetch is issued after the forward; those first read by k or earlier end
     # before k runs, in whatever order they were copied
     prev = phi
@@ -251,34 +257,62 @@ def chain_work(bounds: Bounds, model: Model, x: dict, points: list[_Point], thet
             model.ge([(0, 1.0), (theta[i], -1.0), (prev, -1.0)], suffix[points[i].op])
 
 
-def chain_deadlines(bounds: Bounds, model: Model, x: dict, rec: list[float]) -> dict[int, list[tuple[int, float]]]:
-    """Per swappable ``d``: ``(c, seconds)`` for each recomputable ``c`` first read before ``d``
-    whose shortest chain reads ``d`` (the module docstring, *Chain deadlines*); ``seconds``: the
-    ops of that chain that read ``d``, and those after them in it."""
+def chain_deadlines(bounds: Bounds, model: Model, x: dict, rec: list[float]) -> dict[int, list[tuple[int, tuple[int, ...], float]]]:
+    """Per swappable ``d``: ``(c, needs, seconds)`` for each recomputable ``c`` first read before
+    ``d`` whose chain reads ``d`` once the activations of ``needs`` (``c`` first) are recomputed
+    (the module docstring, *Chain deadlines*): its shortest chain, or that chain through a
+    recomputed ``b`` it reads that is first read after ``c`` (rebuilt by ``c``'s chain, or by an
+    earlier one that then read ``d`` earlier still); ``seconds``: the ops of that chain that read
+    ``d``, and those after them in it."""
     graph, owner = bounds.ev.graph, bounds.ev.owner
     op_time, fr = bounds.ev.problem.costs.op_time, bounds.first_reader
-    out: dict[int, list[tuple[int, float]]] = {}
-    for c in range(len(graph.activations)):
-        if rec[c] == math.inf or model.hi[x[("r", c)]] == 0 or fr[c] is None:
-            continue
-        ops = sorted(chain_ops(graph, c, lambda _: False, owner, strict=False))
+
+    def recomputable(a: int) -> bool:
+        return rec[a] < math.inf and model.hi[x[("r", a)]] > 0 and fr[a] is not None
+
+    def swappable(d: int, c: int) -> bool:
+        return model.hi[x[("s", d)]] > 0 and fr[d] is not None and fr[d] > fr[c]
+
+    out: dict[int, list[tuple[int, tuple[int, ...], float]]] = {}
+
+    def add(d: int, c: int, needs: tuple[int, ...], ops: list[int]) -> None:
+        reached = set(graph.activations[d].members)
+        after = 0.0
+        for o in ops:  # program order: a chain op's arguments come before it
+            if reached.intersection(graph.ops[o].recompute_args):
+                reached.add(o)
+                after += op_time[o] / model.unit
+        out.setdefault(d, []).append((c, needs, after))
+
+    for c in filter(recomputable, range(len(graph.activations))):
+        ops = chain_ops(graph, c, lambda _: False, owner, strict=False)
         for d in chain_inputs(graph, c, owner):
-            if model.hi[x[("s", d)]] == 0 or fr[d] is None or fr[d] <= fr[c]:
-                continue
-            reached = set(graph.activations[d].members)
-            after = 0.0
-            for o in ops:  # program order: a chain op's arguments come before it
-                if reached.intersection(graph.ops[o].recompute_args):
-                    reached.add(o)
-                    after += op_time[o] / model.unit
-            out.setdefault(d, []).append((c, after))
+            if swappable(d, c):
+                add(d, c, (c,), sorted(ops))
+        for b in chain_inputs(graph, c, owner):
+            if recomputable(b) and fr[b] > fr[c]:
+                through = sorted(ops | chain_ops(graph, b, lambda _: False, owner, strict=False))
+                for d in chain_inputs(graph, b, owner):
+                    if swappable(d, c) and d not in chain_inputs(graph, c, owner):
+                        add(d, c, (c, b), through)
     return out
+
+
+def recomputed_all(model: Model, x: dict, needs: tuple[int, ...], also: int | None = None) -> int:
+    """A variable that is 1 where every activation of ``needs`` is recomputed (and the binary
+    variable ``also`` is 1): ``w >= sum - (count - 1)``; the variable ``x_c^r`` itself for one."""
+    terms = [x[("r", b)] for b in needs] + ([] if also is None else [also])
+    if len(terms) == 1:
+        return terms[0]
+    w = model.var(1.0)
+    model.ge([(w, 1.0), *((t, -1.0) for t in terms)], 1.0 - len(terms))
+    return w
 
 
 def read_before_chains(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
                        prefix: list[float], suffix: list[float], h2d: list[float],
                        chains: list[tuple[float, list[tuple[int, int, int, int]]]],
-                       deadlines: dict[int, list[tuple[int, float]]]) -> None:
+                       deadlines: dict[int, list[tuple[int, tuple[int, ...], float]]]) -> None:
     """Per point, a swap ``a`` evicted there and read by the shortest chain of a recomputed ``c``
     first read earlier: its prefetch ends, after those of the point's evictees first read by
     ``c``'s first reader or earlier, before that chain reads it (the module docstring, *Chain
@@ -289,12 +323,11 @@ def read_before_chains(bounds: Bounds, model: Model, x: dict, points: list[_Poin
     for i, (start, chain) in enumerate(chains):
         readers = [k for k, *_ in chain]
         for _, a, j, _ in chain:
-            for c, after in deadlines.get(a, ()):
+            for c, needs, after in deadlines.get(a, ()):
                 if (fr[c], 1) <= keys[i]:
                     continue  # c's chains ran before the point: a stays on the device after them
                 n = bisect.bisect_right(readers, fr[c])  # the evictees first read by fr[c] or earlier
-                w = model.var(1.0)  # a evicted here and c recomputed
-                model.ge([(w, 1.0), (j, -1.0), (x[("r", c)], -1.0)], -1.0)
+                w = recomputed_all(model, x, needs, j)  # a evicted here and needs recomputed
                 e = model.var()
                 if n:
                     model.ge([(e, 1.0), (chain[n - 1][3], -1.0), (w, -h2d[a])], 0.0)

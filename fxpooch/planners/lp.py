@@ -296,7 +296,10 @@ def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
                    rec: list[float]) -> tuple[int, list[tuple[int, int, float]]]:
     """A plan's schedule shares recompute segments or it does not (``sigma = 1``). Shared: a
     head ``b``'s chain rebuilds every recomputed activation its shortest chain reads that is first
-    read later (``y_a + y_b + x_a^r - sigma <= 2``). Not shared: each chain reruns the shortest
+    read later (``y_a + y_b + x_a^r - sigma <= 2``), and through it those that one's chain reads,
+    and so on (a path of recomputed activations first read after ``b``: ``y_c + y_b + sum of x^r
+    on the path - sigma <= 1 + its length``; a chain that rebuilt one of them earlier read the
+    rest then). Not shared: each chain reruns the shortest
     chains of the recomputed activations it reads, and theirs in turn (``z_ac``); returns
     ``sigma`` and ``(a, z_ac, seconds)``: what each adds to ``a``'s chain, each op counted once
     per chain."""
@@ -307,10 +310,17 @@ def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
     reads = {a: sorted(c for c in {owner[v] for o in ops for v in graph.ops[o].recompute_args if v in owner} - {a}
                        if c in y) for a, ops in chain.items()}
     fr = bounds.first_reader
-    for b in y:
-        for a in reads[b]:
-            if fr[a] > fr[b]:
-                model.ge([(y[a], -1.0), (y[b], -1.0), (x[("r", a)], -1.0), (sigma, 1.0)], -2.0)
+    for b in y:  # through every path of recomputed activations first read after b
+        path = {a: (a,) for a in reads[b] if fr[a] > fr[b]}
+        queue = list(path)
+        while queue:
+            a = queue.pop(0)
+            model.ge([(y[a], -1.0), (y[b], -1.0), *((x[("r", c)], -1.0) for c in path[a]), (sigma, 1.0)],
+                     -1.0 - len(path[a]))
+            for c in reads[a]:
+                if c not in path and c != b and fr[c] > fr[b]:
+                    path[c] = (*path[a], c)
+                    queue.append(c)
     terms = []
     op_time = ev.problem.costs.op_time
     for a in y:
