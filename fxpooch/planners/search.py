@@ -214,8 +214,9 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     best = local_search(ev, best, max(0, stop_at - ev.simulations))
     if len(problem.graph.activations) <= options.max_exact and ev.simulations < stop_at:
         root = 0.0
-        if options.milp_nodes:
-            root, point = milp_seed(ev, best, options.milp_nodes, stop_at)
+        fixed = fixed_bound(Bounds(ev)) if options.milp_nodes else None
+        if fixed is not None:
+            root, point = milp_seed(ev, fixed, options.milp_nodes, max(0, stop_at - ev.simulations))
             if point is not None and point.step_time < best.step_time:
                 best = point
         search = branch_and_bound(ev, best, stop_at, root)
@@ -225,19 +226,22 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     return best
 
 
-def milp_seed(ev: Evaluator, best: Candidate, nodes: int, stop_at: int) -> tuple[float, Candidate | None]:
-    """The MILP's dual bound after ``nodes`` of HiGHS's nodes (0 without scipy) and its point,
-    :func:`repair`-ed and improved by local search until ``stop_at`` simulations (None: none fits):
-    a plan in another basin than the descent's, and a bound for the branch and bound's root."""
+def fixed_bound(bounds: Bounds) -> FixedBound | None:
+    """The LP / MILP of ``fixed.py`` for ``bounds``' problem; None without scipy."""
     try:
-        fixed = FixedBound(Bounds(ev))
+        return FixedBound(bounds)
     except ImportError:
-        return 0.0, None
-    bound, decisions = fixed.milp([None] * len(best.decisions), nodes)
+        log.info("scipy is not installed: no LP / MILP bound or seed")
+        return None
+
+
+def milp_seed(ev: Evaluator, fixed: FixedBound, nodes: int, simulations: int) -> tuple[float, Candidate | None]:
+    """The MILP's dual bound after ``nodes`` of HiGHS's nodes and its point, :func:`repair`-ed and
+    improved by ``simulations`` more of local search (None: none fits): a plan in another basin
+    than the descent's, and a bound for a branch and bound's root."""
+    bound, decisions = fixed.milp([None] * len(ev.graph.activations), nodes)
     start = None if decisions is None else repair(ev, decisions)
-    if start is None:
-        return bound, None
-    return bound, local_search(ev, start, max(0, stop_at - ev.simulations))
+    return bound, None if start is None else local_search(ev, start, simulations)
 
 
 class ExactSearchTooLarge(FxpoochError, ValueError):
@@ -283,18 +287,11 @@ def exact_search(problem: Problem, options: SearchOptions = SearchOptions(), wor
     bounds = Bounds(ev)
     root = bounds.bound()
     search = BranchAndBound(ev, bounds, seed)
-    fixed = None
-    if (options.lp_bounds or options.milp_nodes) and root < math.inf:
-        try:
-            fixed = FixedBound(bounds)
-        except ImportError:
-            log.info("scipy is not installed: the exact search prunes with the cut bounds only")
+    fixed = fixed_bound(bounds) if (options.lp_bounds or options.milp_nodes) and root < math.inf else None
     if fixed is not None and options.milp_nodes:
-        milp_bound, point = fixed.milp([None] * len(problem.graph.activations), options.milp_nodes)
+        milp_bound, point = milp_seed(ev, fixed, options.milp_nodes, local_budget)
         root = max(root, milp_bound)
-        start = None if point is None else repair(ev, point)
-        if start is not None:
-            search.improve(local_search(ev, start, local_budget))
+        search.improve(point)
     search.fixed = fixed if options.lp_bounds else None
     out = search.run(work, best_first=True, root_bound=root)
     log.info("exact: %d activations, %d nodes, work %d, step %.4g s, bound %.4g s%s",
