@@ -76,8 +76,11 @@ def test_inductor_peak_measured_by_the_profiler_is_within_the_limit(planner: str
     assert peaks[1] <= limit, (peaks, limit, cm.plan.counts())
     # the plan is not vacuous: the same graphs kept in core, run the same way, do not fit the limit
     in_core = fxpooch.compile(model, x, "1TiB", profile="analytic", codegen="inductor")
-    model.zero_grad(set_to_none=True)
-    assert resident + step_peak(lambda: train_step(in_core, x)) > limit
+    in_core_peaks = []
+    for _ in range(2):  # the second step, as above: the first one also captures and plans again
+        model.zero_grad(set_to_none=True)
+        in_core_peaks.append(resident + step_peak(lambda: train_step(in_core, x)))
+    assert in_core_peaks[1] > limit, (in_core_peaks, limit)
 
 
 def _fxpooch_calls(text: str) -> list[str]:
