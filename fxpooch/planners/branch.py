@@ -129,11 +129,3 @@ class BranchAndBound:
         bound = self.incumbent if proved else max(root_bound, min(self.incumbent, open_bound))
         return ExactResult(self.best, bound, proved, self.nodes, self.work)
 
-
-def branch_and_bound(ev: Evaluator, seed: Candidate | None, stop_at: float = math.inf,
-                     root_bound: float = 0.0) -> ExactResult:
-    """Depth first from ``seed`` (the best plan known; None: none) with the cut bounds, until
-    ``stop_at`` work (``ev``'s simulations so far and the bounds this search evaluates):
-    ``local``'s last step. ``root_bound``: a bound on every plan known already (a MILP's)."""
-    bounds = Bounds(ev)
-    return BranchAndBound(ev, bounds, seed).run(stop_at, root_bound=max(root_bound, bounds.bound()))

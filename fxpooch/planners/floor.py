@@ -286,14 +286,15 @@ def chain_deadlines(bounds: Bounds, model: Model, x: dict, rec: list[float]) -> 
 
     for c in filter(recomputable, range(len(graph.activations))):
         ops = chain_ops(graph, c, lambda _: False, owner, strict=False)
-        for d in chain_inputs(graph, c, owner):
+        inputs = chain_inputs(graph, c, owner)
+        for d in inputs:
             if swappable(d, c):
                 add(d, c, (c,), sorted(ops))
-        for b in chain_inputs(graph, c, owner):
+        for b in inputs:
             if recomputable(b) and fr[b] > fr[c]:
                 through = sorted(ops | chain_ops(graph, b, lambda _: False, owner, strict=False))
                 for d in chain_inputs(graph, b, owner):
-                    if swappable(d, c) and d not in chain_inputs(graph, c, owner):
+                    if swappable(d, c) and d not in inputs:
                         add(d, c, (c, b), through)
     return out
 

@@ -26,7 +26,7 @@ from ..schedule import Decision
 from .registry import register
 from .baselines import checkpoint_plan
 from .bounds import Bounds
-from .branch import BranchAndBound, ExactResult, branch_and_bound
+from .branch import BranchAndBound, ExactResult
 from .fixed import FixedBound
 from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget
 from .moves import clusters, exchange, faster, followups, linked, with_group
@@ -213,13 +213,15 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     best = clusters(ev, best, ev.simulations + max(0, stop_at - ev.simulations) // 2)
     best = local_search(ev, best, max(0, stop_at - ev.simulations))
     if len(problem.graph.activations) <= options.max_exact and ev.simulations < stop_at:
-        root = 0.0
-        fixed = fixed_bound(Bounds(ev)) if options.milp_nodes else None
+        bounds = Bounds(ev)
+        root = bounds.bound()
+        fixed = fixed_bound(bounds) if options.milp_nodes else None
         if fixed is not None:
-            root, point = milp_seed(ev, fixed, options.milp_nodes, max(0, stop_at - ev.simulations))
+            milp_bound, point = milp_seed(ev, fixed, options.milp_nodes, max(0, stop_at - ev.simulations))
+            root = max(root, milp_bound)
             if point is not None and point.step_time < best.step_time:
                 best = point
-        search = branch_and_bound(ev, best, stop_at, root)
+        search = BranchAndBound(ev, bounds, best).run(stop_at, root_bound=root)  # depth first
         log.info("local: branch and bound %s after %d nodes", "proved the optimum" if search.proved
                  else "stopped at the budget", search.nodes)
         best = search.best
