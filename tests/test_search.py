@@ -268,8 +268,8 @@ def test_local_trades_decisions_between_activations_of_the_same_bytes():
     from fxpooch.planners.search import exact_search
 
     prob = problem("cnn_bn", 0.25, "v100-pcie3")
-    seeded = exact_search(prob, work=1)
-    assert not seeded.proved and seeded.bound <= seeded.best.step_time
+    seeded = exact_search(prob, work=1)  # its seeds only (the MILP's bound proves them optimal)
+    assert seeded.bound <= seeded.best.step_time
     assert get_planner("local")(prob).step_time <= seeded.best.step_time * (1 + 1e-12)
 
 

@@ -50,6 +50,14 @@ the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them
   model's whole step, tighter than the costs of ``Bounds.recompute_costs``, which give an op to
   the lowest-numbered activation whose chain has it, recomputed or not (a conv's batch norm
   counted for its statistics, a small activation kept, and never for the large one recomputed).
+  An op in the shortest chains of two recomputed activations computes no saved value (a chain
+  stops at those), so no chain reuses another's output of it: it runs once in every chain that
+  rebuilds one of them. Where no chain of ``a`` can rebuild ``b`` (``b``'s members are not in
+  what ``a``'s chains may run, :func:`.chains.reach`), a chain that rebuilds both is not ``a``'s own,
+  and a chain reaches ``a``'s members only through an op that reads them, in the shortest chain
+  of a recomputed activation ``c`` that reads ``a``. So ``e_o >= x_a^r + x_b^r - 1 - sum x_c^r``
+  over those readers ``c`` counts ``o``'s second run (a batch norm run again for its statistics
+  after the chain of the conv after its ReLU ran it).
   And the same after each point ``p``: what is evicted there is rebuilt after ``θ_p``, so ``T >=
   θ_p + tail_p + sum_o t_o v_op`` with ``v_op >= r_ap`` over the evicted ``a`` whose shortest chain
   has ``o``. An unshared schedule emits ``a``'s own chain at its first reader, rerunning the chains
@@ -81,6 +89,7 @@ from typing import TYPE_CHECKING
 
 from ..schedule import chain_inputs, chain_ops
 from .bounds import Bounds
+from .chains import chain_readers, reach
 
 if TYPE_CHECKING:
     from .lp import Model, _Point
@@ -88,32 +97,26 @@ if TYPE_CHECKING:
 
 def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
              prefix: list[float], suffix: list[float], d2h: list[float], h2d: list[float],
-             deadlines: dict[int, list[tuple[int, tuple[int, ...], float]]]) -> dict[int, tuple[int, float]]:
+             deadlines: dict[int, list[tuple[int, tuple[int, ...], float]]]) -> tuple[dict, dict]:
     """Every swap's two copies, evicted at a point or not (the module docstring, *Streams*).
-    Returns per swappable activation ``j`` its ``F_j`` variable and ``U_j``."""
+    Returns per swappable activation ``j`` its ``F_j`` variable and ``U_j``, and per swappable
+    activation read in the backward its ``G_j`` variable (its prefetch's end where swapped)."""
     graph = bounds.ev.graph
     acts = graph.activations
     forward_end = max(stop for _, stop in graph.forward_range)
     swaps = [a for a in range(len(acts)) if d2h[a] < math.inf and model.hi[x[("s", a)]] > 0]
     if not swaps:
         return {}
-    keys = [p.key for p in points]
     phi = model.var()  # when the forward's last op ends
     model.ge([(phi, 1.0)], prefix[forward_end])
     for i, p in enumerate(points):
         if p.forward:
             model.ge([(phi, 1.0), (theta[i], -1.0)], prefix[forward_end] - prefix[p.op])
-
-    def reaches(k: int, done: int, extra: float) -> None:
-        """Compute runs backward op ``k`` no earlier than ``done + extra``: so does every later op."""
-        model.ge([(0, 1.0), (done, -1.0)], extra + suffix[k])
-        q = bisect.bisect_left(keys, (k, 1))  # the first point at or after k's RUN
-        if q < len(points):
-            model.ge([(theta[q], 1.0), (done, -1.0)], extra + prefix[points[q].op] - prefix[k])
+    reaches = compute_after(model, points, theta, prefix, suffix)
 
     # D2H in producer order (offloads are issued after their producers, in program order)
     prev, upper = None, 0.0
-    ends = {}
+    ends, prefetched = {}, {}
     for a in sorted(swaps, key=lambda a: (max(acts[a].members), a)):
         release = prefix[max(acts[a].members) + 1]
         f = model.var()
@@ -127,7 +130,7 @@ def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: 
         if k is None:
             continue
         # swapped: a's prefetch starts after its offload ended and compute waits for it before k
-        g = model.var()  # a's prefetch's end if swapped (else 0 at least)
+        g = prefetched[a] = model.var()  # a's prefetch's end if swapped (else 0 at least)
         model.ge([(g, 1.0), (f, -1.0), (x[("s", a)], -(upper + h2d[a]))], -upper)
         reaches(k, g, 0.0)
         for c, needs, after in deadlines.get(a, ()):  # T >= g + after + tail(fr c) where needs are recomputed
@@ -141,7 +144,20 @@ def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: 
         model.ge([(e, 1.0), (prev, -1.0), (x[("s", a)], -h2d[a])], 0.0)
         reaches(bounds.first_reader[a], e, 0.0)
         prev = e
-    return ends
+    return ends, prefetched
+
+
+def compute_after(model: Model, points: list[_Point], theta: list[int], prefix: list[float], suffix: list[float]):
+    """``reaches(k, done, extra)``: compute runs backward op ``k`` no earlier than ``done + extra``,
+    and so does every later op (the step's end and the first point from ``k`` on)."""
+    keys = [p.key for p in points]
+
+    def reaches(k: int, done: int, extra: float) -> None:
+        model.ge([(0, 1.0), (done, -1.0)], extra + suffix[k])
+        q = bisect.bisect_left(keys, (k, 1))  # the first point at or after k's RUN
+        if q < len(points):
+            model.ge([(theta[q], 1.0), (done, -1.0)], extra + prefix[points[q].op] - prefix[k])
+    return reaches
 
 
 def read_by_chains(bounds: Bounds, model: Model, x: dict, points: list[_Point],
@@ -198,23 +214,37 @@ def chain_work(bounds: Bounds, model: Model, x: dict, points: list[_Point], thet
     shortest = {a: chain_ops(graph, a, lambda _: False, owner, strict=False)
                 for a in range(len(graph.activations))
                 if rec[a] < math.inf and model.hi[x[("r", a)]] > 0 and bounds.first_reader[a] is not None}
+    readers = chain_readers(bounds, model, x, rec)
+    may_run = {a: reach(graph, owner, a) for a in shortest}
+    # (a, b): a's chain never rebuilds b, so a chain that rebuilds both is not a's own
+    never_in = {(a, b) for a in shortest for b in shortest
+                if a != b and not set(graph.activations[b].members) & may_run[a]}
 
     def union(chosen: dict[int, int]) -> list[tuple[int, float]]:
-        """``-t_o * u_o`` per op in the shortest chain of an activation of ``chosen`` (its variable)."""
+        """``-t_o * u_o`` per op in the shortest chain of an activation of ``chosen`` (its
+        variable), and ``-t_o * e_o`` for a second run in another chain (the module docstring,
+        *Chain work*)."""
         holders: dict[int, list[int]] = {}
-        for a, j in chosen.items():
+        for a in chosen:
             for o in shortest[a]:
-                holders.setdefault(o, []).append(j)
+                holders.setdefault(o, []).append(a)
         terms = []
-        for o, js in sorted(holders.items()):
+        for o, held in sorted(holders.items()):
             seconds = op_time[o] / model.unit
             if seconds <= 0:
                 continue
-            u = js[0]
-            if len(js) > 1:
+            u = chosen[held[0]]
+            if len(held) > 1:
                 u = model.var(1.0)
-                for j in js:
-                    model.ge([(u, 1.0), (j, -1.0)], 0.0)
+                for a in held:
+                    model.ge([(u, 1.0), (chosen[a], -1.0)], 0.0)
+                e = model.var(1.0)
+                for a in held:
+                    for b in held:
+                        if (a, b) in never_in:  # one chain rebuilds both: not a's, so a reader of a is recomputed
+                            model.ge([(e, 1.0), (chosen[a], -1.0), (chosen[b], -1.0),
+                                      *((x[("r", c)], 1.0) for c in readers.get(a, ()))], -1.0)
+                terms.append((e, -seconds))
             terms.append((u, -seconds))
         return terms
 

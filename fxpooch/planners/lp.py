@@ -20,7 +20,10 @@ activations absent at ``τ``, plus ``h``'s new storage and the buffers only the 
 evictions at ``τ`` are at least ``excess_u + min rebuild bytes`` whenever ``y_a = 1`` for an ``a``
 first read by ``u``, and ``x_a^r <= y_a + sum y_b`` over the ``b`` first read earlier whose chains
 (through every recomputable activation) reach ``a``'s producer: a recomputed ``a`` is rebuilt at
-its own first reader or inside the chain of such a ``b``, itself a head there.
+its own first reader or inside the chain of such a ``b``, itself a head there. And at a backward
+cut before ``a``'s first reader, a recomputed candidate ``a`` is evicted (``r_ap >= x_a^r - sum
+v``) unless a chain not its own rebuilt it by then, which ran the chain of one of its readers
+(``chains.rebuilt_by``: the ``v``): the cut's time then bounds the chains that rebuild it.
 
 **Time.** ``θ_p`` is the compute stream's time at point ``p`` (for a rebuild point, where ``u``'s
 group starts). In program order ``θ_q >= θ_p + compute between``. At a cut, the D2H copies of
@@ -56,7 +59,9 @@ from dataclasses import dataclass, field
 from ..schedule import chain_ops
 from .bounds import Bounds
 from .common import Evaluator
-from .floor import chain_deadlines, chain_work, read_before_chains, read_by_chains, streams
+from .chains import chain_readers, rebuilt_by
+from .floor import chain_deadlines, chain_work, compute_after, read_before_chains, read_by_chains, streams
+from .issue_order import issue_order
 
 log = logging.getLogger("fxpooch.planner.lp")
 
@@ -135,6 +140,7 @@ class Families:
     fifo_cuts: bool = True  # an evicted swap's offload ends by the cut behind every earlier offload
     chain_work: bool = True  # every op of a recomputed activation's shortest chain runs, after each point it is evicted at
     chain_deadlines: bool = True  # a swap read by a recompute chain is back before the chain runs
+    issue_order: bool = True  # prefetches leave in the order they are first needed (issue_order.py)
 
 
 def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
@@ -194,6 +200,7 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
                     and producer in chain_ops(graph, b, lambda c: True, ev.owner, strict=False)]
         model.ge([(ya, 1.0), *((y[b], 1.0) for b in heads[a]), (x[("r", a)], -1.0)], 0.0)
     sigma, reruns = _chain_sharing(bounds, model, x, y, rec)
+    readers = chain_readers(bounds, model, x, rec)
     if not families.chain_work:
         model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf]
                  + [(z, -cost) for _, z, cost in reruns], 1.0)
@@ -204,6 +211,7 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
     h2d_chains: list[tuple[float, list[tuple[int, int, int, int]]]] = []  # per point: start, (k, a, s_ap, E)
     for i, p in enumerate(points):
         s_vars, r_vars = [], []
+        may = None if p.forward or p.group else rebuilt_by(readers, bounds.first_reader, x, p.op)
         for a in p.candidates:
             if d2h[a] < math.inf:
                 j = model.var(1.0, True)
@@ -216,6 +224,8 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
                 if not p.forward and a in y:  # absent here: not rebuilt yet by its own chain or one that runs later
                     later = [y[b] for b in heads[a] if (bounds.first_reader[b], 0) >= p.key]
                     model.ge([(y[a], 1.0), *((yb, 1.0) for yb in later), (j, -1.0)], 0.0)
+                if may is not None and bounds.first_reader[a] is not None and bounds.first_reader[a] > p.op:
+                    model.ge([(j, 1.0), (x[("r", a)], -1.0), *((v, 1.0) for v in may(a))], 0.0)  # absent unless rebuilt
                 r_vars.append((a, j))
                 evicted_recompute[(i, a)] = j
         cover = [(j, float(bounds.nbytes[a])) for a, j in s_vars + r_vars]
@@ -279,7 +289,11 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
     if deadlines:
         read_before_chains(bounds, model, x, points, theta, prefix, suffix, h2d, h2d_chains, deadlines)
     if families.streams:
-        ends = streams(bounds, model, x, points, theta, prefix, suffix, d2h, h2d, deadlines)
+        ends, prefetched = streams(bounds, model, x, points, theta, prefix, suffix, d2h, h2d, deadlines)
+        if families.issue_order:
+            issue_order(bounds, model, x, points, theta, [start for start, _ in h2d_chains], evicted_swap,
+                        prefetched, compute_after(model, points, theta, prefix, suffix), prefix, suffix, d2h, h2d, rec,
+                        deadlines)
         if families.fifo_cuts:
             for (i, a), j in evicted_swap.items():  # evicted at a cut: its offload and the earlier ones ended
                 if not points[i].group and a in ends:
