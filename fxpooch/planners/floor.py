@@ -106,7 +106,7 @@ def streams(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: 
     forward_end = max(stop for _, stop in graph.forward_range)
     swaps = [a for a in range(len(acts)) if d2h[a] < math.inf and model.hi[x[("s", a)]] > 0]
     if not swaps:
-        return {}
+        return {}, {}
     phi = model.var()  # when the forward's last op ends
     model.ge([(phi, 1.0)], prefix[forward_end])
     for i, p in enumerate(points):
