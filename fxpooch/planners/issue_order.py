@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from .bounds import Bounds
 from .chains import chain_readers, rebuilt_by
-from .floor import recomputed_all
+from .floor import compute_after, recomputed_all
 
 if TYPE_CHECKING:
     from .lp import Model, _Point
@@ -38,11 +38,11 @@ if TYPE_CHECKING:
 
 def issue_order(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
                 waits: list[float], evicted: dict[tuple[int, int], int], prefetched: dict[int, int],
-                reaches, prefix: list[float], suffix: list[float], d2h: list[float], h2d: list[float], rec: list[float],
+                prefix: list[float], suffix: list[float], d2h: list[float], h2d: list[float], rec: list[float],
                 deadlines: dict[int, list[tuple[int, tuple[int, ...], float]]]) -> None:
     """Add the module docstring's inequalities. ``waits``: per point, what its evictees' H2D copies
     wait for after ``θ_p``; ``evicted``: ``(point, activation) -> s_ap``; ``prefetched``: the
-    *Streams* bound per swap; ``reaches(k, var, extra)``: compute runs op ``k`` after ``var + extra``."""
+    *Streams* bound per swap (``floor.streams``)."""
     ev = bounds.ev
     graph, owner, fr = ev.graph, ev.owner, bounds.first_reader
     acts = graph.activations
@@ -61,6 +61,7 @@ def issue_order(bounds: Bounds, model: Model, x: dict, points: list[_Point], the
         if a in w:  # issued after the point: W_a >= θ_i + wait_i + h_a where evicted there
             model.ge([(w[a], 1.0), (theta[i], -1.0), (s, -big)], waits[i] + h2d[a] - big)
     readers = chain_readers(bounds, model, x, rec)
+    reaches = compute_after(model, points, theta, prefix, suffix)
     read_by: dict[int, object] = {}  # op -> rebuilt_by(.., op)
     needed: dict[tuple[int, ...], int] = {}  # needs -> 1 where all are recomputed
     for j in swaps:  # j is needed first by its first reader, or by c's chain where needs are recomputed

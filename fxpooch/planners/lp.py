@@ -60,7 +60,7 @@ from ..schedule import chain_ops
 from .bounds import Bounds
 from .common import Evaluator
 from .chains import chain_readers, rebuilt_by
-from .floor import chain_deadlines, chain_work, compute_after, read_before_chains, read_by_chains, streams
+from .floor import chain_deadlines, chain_work, read_before_chains, read_by_chains, streams
 from .issue_order import issue_order
 
 log = logging.getLogger("fxpooch.planner.lp")
@@ -292,8 +292,7 @@ def relaxation(bounds: Bounds, families: Families = Families()) -> Model:
         ends, prefetched = streams(bounds, model, x, points, theta, prefix, suffix, d2h, h2d, deadlines)
         if families.issue_order:
             issue_order(bounds, model, x, points, theta, [start for start, _ in h2d_chains], evicted_swap,
-                        prefetched, compute_after(model, points, theta, prefix, suffix), prefix, suffix, d2h, h2d, rec,
-                        deadlines)
+                        prefetched, prefix, suffix, d2h, h2d, rec, deadlines)
         if families.fifo_cuts:
             for (i, a), j in evicted_swap.items():  # evicted at a cut: its offload and the earlier ones ended
                 if not points[i].group and a in ends:
