@@ -44,7 +44,7 @@ def issue_order(bounds: Bounds, model: Model, x: dict, points: list[_Point], the
     wait for after ``θ_p``; ``evicted``: ``(point, activation) -> s_ap``; ``prefetched``: the
     *Streams* bound per swap (``floor.streams``)."""
     ev = bounds.ev
-    graph, owner, fr = ev.graph, ev.owner, bounds.first_reader
+    graph, fr = ev.graph, bounds.first_reader
     acts = graph.activations
     swaps = [a for a in range(len(acts)) if h2d[a] < math.inf and model.hi[x[("s", a)]] > 0 and fr[a] is not None]
     if len(swaps) < 2:
