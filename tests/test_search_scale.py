@@ -16,7 +16,8 @@ from stepgraphs import CONV, RELU, chain
 from fxpooch.errors import InfeasibleMemoryLimit
 from fxpooch.planners import Evaluator, Problem, get_planner
 from fxpooch.planners.common import simulation_budget
-from fxpooch.planners.search import SearchOptions, group_descent, group_search, halves, plan_local, repeated_groups
+from fxpooch.planners.search import (SearchOptions, group_descent, group_search, group_trades, halves, link_trades,
+                                     plan_local, rebuild_times, repeated_groups)
 from fxpooch.schedule import Decision
 from fxpooch.simulator import in_core_peak_bytes
 
@@ -161,6 +162,48 @@ def test_group_search_trades_groups_of_different_shapes(xfer, mib, fraction):
     assert [found.decisions[a] for a in convs] == [R] * 4 + [K] * 4
     assert [found.decisions[a] for a in randoms] == [K] * 8
     assert found.step_time == pytest.approx(44.5 + 4 * 0.5, abs=1e-9)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.3])
+def test_group_search_spends_the_link_on_the_costliest_rebuilds(fraction):
+    """Eight blocks of (conv 2 s, relu 0.5 s), 2 MiB each, every copy 3 s each way: the link
+    carries one activation per 3 s, the forward makes one per 1.25 s, and the limit keeps none.
+
+    Recompute every conv and swap every relu: relu8's offload ends at 2.5 + 8 x 3 = 26.5 s (the
+    D2H stream busy from relu1's end), its prefetch at 29.5, its grad at 30; conv8's rebuild
+    reads relu7, prefetched behind it (32.5), then 2 + 4 s; then seven blocks of 0.5 + 2 + 4 s:
+    84 s. No group move helps: keeping either group misses the limit, swapping the convs too
+    sends 16 copies of 3 s (102 s), recomputing the relus too rebuilds from the input (232.5 s).
+    Swapping the convs and recomputing the relus instead (the same bytes over the link, a 0.5 s
+    rebuild each instead of 2 s): conv8's offload ends at 2 + 8 x 3 = 26 s, its prefetch at 29,
+    then 8 blocks of 0.5 + 0.5 + 4 s: 69 s."""
+    graph, costs = chain([2.0, 0.5] * 8, [0.5, 4.0] * 8, [2] * 16, [(3.0, 3.0)] * 16, loss=0.5,
+                         targets=[CONV, RELU] * 8)
+    ev = Evaluator(Problem(graph, costs, int(in_core_peak_bytes(graph) * fraction)))
+    groups = repeated_groups(ev)
+    convs, relus = groups
+    assert [graph.ops[graph.activations[g[0]].producer].target for g in groups] == [CONV, RELU]
+    assert rebuild_times(ev) == [2.0, 0.5] * 8
+
+    def uniform(conv: Decision, relu: Decision):
+        decisions = [K] * len(graph.activations)
+        for group, d in ((convs, conv), (relus, relu)):
+            for a in group:
+                decisions[a] = d
+        return ev.evaluate(decisions)
+
+    seed = uniform(R, S)
+    assert seed.fits and seed.step_time == 84.0
+    assert [uniform(S, S).step_time, uniform(R, R).step_time] == [102.0, 232.5]
+    assert not any(uniform(*ds).fits for ds in [(K, S), (K, R), (S, K), (R, K)])
+    parts = groups + halves(groups)
+    assert group_descent(ev, seed, parts, 10**6) is seed  # no single group move helps
+    assert group_trades(ev, seed, parts, 10**6) is None  # nor a keep traded for a free
+    traded = link_trades(ev, seed, parts, rebuild_times(ev), 10**6)
+    assert traded.decisions == uniform(S, R).decisions and traded.step_time == 69.0
+    found = group_search(ev, seed, 10**6)
+    assert found.fits and found.timeline.peak_bytes <= ev.problem.mem_limit
+    assert found.decisions == traded.decisions and found.step_time == 69.0
 
 
 class _Clock:

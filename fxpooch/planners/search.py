@@ -3,7 +3,7 @@
 ``local`` starts from the best of PoocH's plan and the reference plans (swap-all, sqrt(n)
 checkpointing, recompute everything), applies changes to groups of activations that repeat
 across blocks (a layer's attention scores in every layer, say) and trades between two such
-groups (one kept, the other freed), then clusters of kept activations that read one another,
+groups (one kept, the other freed; or one swapped, the other recomputed), then clusters of kept activations that read one another,
 then single-activation changes
 (keep / swap / recompute) that make the simulated step faster while the peak stays under the limit, until no
 change helps or its budget (op-simulations, so the plan does not depend on the machine) is
@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import FxpoochError, InfeasibleMemoryLimit
-from ..schedule import Decision
+from ..schedule import Decision, chain_ops
 from .registry import register
 from .baselines import checkpoint_plan
 from .bounds import Bounds
@@ -153,8 +153,45 @@ def group_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop_at
     trades = sorted((kept[j] - freed[i], i, j, d) for i in range(len(parts)) if freed[i]
                     for j in range(len(parts)) if kept[j] >= freed[i] and not set(parts[i]) & set(parts[j])
                     for d in (Decision.RECOMPUTE, Decision.SWAP))
-    for _, i, j, d in trades:
-        trial = with_group(with_group(best.decisions, acts, parts[i], Decision.KEEP), acts, parts[j], d)
+    return first_faster(ev, best, ((parts[i], Decision.KEEP, parts[j], d) for _, i, j, d in trades), stop_at)
+
+
+def link_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], rebuild: list[float],
+                stop_at: int) -> Candidate | None:
+    """The first faster fitting plan that swaps one group or half group it recomputes now and
+    recomputes another, disjoint one that now sends at least as many bytes over the link; the
+    trades that run the fewest seconds of recompute chains (``rebuild``: per activation, its
+    shortest chain's) first; or None. Where the link is the bottleneck, offloads queue behind
+    one another and the last ones end after the forward, too late to free memory for the peak:
+    its bytes are best spent on the activations that cost most to rebuild. Neither change alone
+    helps (the swaps overload the link, the recomputes only add time): GPT-2 at 6 layers over
+    PCIe3, a quarter of the way from its floor to in-core, swaps every MLP's first matmul
+    output and recomputes half of the GELU's products instead (1.209x in-core -> 1.102x)."""
+    acts = ev.graph.activations
+    xfer = [act.transfer_bytes for act in acts]
+    now_recomputed = [[a for a in p if best.decisions[a] is Decision.RECOMPUTE and acts[a].swappable] for p in parts]
+    now_swapped = [[a for a in p if best.decisions[a] is Decision.SWAP and ev.can_recompute(a, best.decisions)]
+                   for p in parts]
+    trades = []
+    for i, to_swap in enumerate(now_recomputed):
+        sent = sum(xfer[a] for a in to_swap)
+        for j, to_recompute in enumerate(now_swapped):
+            saved = sum(rebuild[a] for a in to_swap) - sum(rebuild[a] for a in to_recompute)
+            if (to_swap and to_recompute and saved > 0 and sum(xfer[a] for a in to_recompute) >= sent
+                    and not set(parts[i]) & set(parts[j])):
+                trades.append((-saved, i, j))
+    trades.sort()
+    return first_faster(ev, best, ((parts[i], Decision.SWAP, parts[j], Decision.RECOMPUTE) for _, i, j in trades),
+                        stop_at)
+
+
+def first_faster(ev: Evaluator, best: Candidate, trades, stop_at: int) -> Candidate | None:
+    """The first of ``trades`` (``(part, decision, other part, other decision)``, applied in that
+    order) whose plan fits and is faster than ``best``; None when none is or once
+    ``ev.simulations`` reaches ``stop_at``."""
+    acts = ev.graph.activations
+    for part, d, other, e in trades:
+        trial = with_group(with_group(best.decisions, acts, part, d), acts, other, e)
         if trial == list(best.decisions):
             continue
         if ev.simulations >= stop_at:
@@ -164,12 +201,20 @@ def group_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop_at
     return None
 
 
+def rebuild_times(ev: Evaluator) -> list[float]:
+    """Per activation: seconds of its shortest recompute chain (every other activation available)."""
+    op_time = ev.problem.costs.op_time
+    return [sum(op_time[o] for o in chain_ops(ev.graph, a, lambda _: False, ev.owner, strict=False))
+            for a in range(len(ev.graph.activations))]
+
+
 def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group to
     keep, swap or recompute: a few simulations cover every layer of a deep model, however deep.
     Whole groups until no move helps; then trades, one group or half group kept and another
-    freed (:func:`group_trades`), each followed by the whole groups' moves again, a scan that
-    finds no trade taking at most half the simulations left when it starts; then the halves'
+    freed (:func:`group_trades`), or where none helps one swapped and another recomputed
+    (:func:`link_trades`), each followed by the whole groups' moves again, a scan that finds no
+    trade taking at most half the simulations left when it starts; then the halves'
     moves as well (a plan that differs between the input-side and output-side layers) with the
     rest. Near the floor most trades miss the limit: without that share a fruitless scan took
     every simulation left and the halves' descent none (GPT-2 at 24 layers planned 4.9% slower
@@ -178,7 +223,14 @@ def group_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
     groups = repeated_groups(ev)
     best = group_descent(ev, seed, groups, stop_at)
     parts = groups + halves(groups)
-    while (traded := group_trades(ev, best, parts, ev.simulations + (stop_at - ev.simulations) // 2)) is not None:
+    rebuild = rebuild_times(ev)
+    while True:
+        scan_until = ev.simulations + (stop_at - ev.simulations) // 2
+        traded = group_trades(ev, best, parts, scan_until)
+        if traded is None:
+            traded = link_trades(ev, best, parts, rebuild, scan_until)
+        if traded is None:
+            break
         best = group_descent(ev, traded, groups, stop_at)
     best = group_descent(ev, best, parts, stop_at)
     log.info("group search: %.4g s -> %.4g s (%d kinds, %d simulations)", seed.step_time, best.step_time,
