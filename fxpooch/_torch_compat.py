@@ -300,7 +300,8 @@ class ShardedGroup:
     and no CPU offload, on a 1-D mesh (parameters all-gathered in their own dtype);
     ``reduce_scatter_buffers``: reduce-scatter inputs FSDP keeps alive between modules;
     ``reduces_gradients``: gradients are reduce-scattered after the backward (not accumulated
-    unsharded, ``set_requires_gradient_sync(False)``).
+    unsharded, ``set_requires_gradient_sync(False)``); ``collective_temporaries``: copies the size of
+    a collective's tensor its process group's backend may hold at once (:func:`collective_temporaries`).
     """
 
     padded_shard_bytes: int
@@ -309,6 +310,7 @@ class ShardedGroup:
     plain: bool
     reduce_scatter_buffers: int
     reduces_gradients: bool
+    collective_temporaries: int = 0
 
 
 def fsdp_sharded_group(module: Any) -> ShardedGroup | None:
@@ -324,9 +326,24 @@ def fsdp_sharded_group(module: Any) -> ShardedGroup | None:
              and group.mp_policy == MixedPrecisionPolicy() and type(group.offload_policy) is OffloadPolicy)
     nbytes = sum(p.padded_sharded_param_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
     shards = mesh.shard_mesh_size if isinstance(mesh, FSDPMeshInfo) else 1
+    process_group = getattr(mesh, "shard_process_group", None)
     return ShardedGroup(nbytes, shards, group.post_forward_mesh_info is not None, plain,
                         getattr(group, "reduce_scatter_max_input_buffers", 1),  # one where torch lacks the setting
-                        group.reduce_grads)
+                        group.reduce_grads, 0 if process_group is None else collective_temporaries(process_group))
+
+
+def collective_temporaries(process_group: Any) -> int:
+    """Copies the size of a collective's tensor that ``process_group``'s backend may hold at once
+    beyond its inputs and outputs: gloo copies on the calling thread and on each of its worker threads
+    (the profiler shows a buffer of the gathered size allocated on each, and those of a worker thread
+    are freed when it is done, while the calling thread may go on); 0 for other backends (NCCL's
+    buffers are its own, outside the caching allocator)."""
+    import torch.distributed as dist
+
+    if dist.get_backend(process_group) != "gloo":
+        return 0
+    options = process_group._get_backend(torch.device("cpu")).options
+    return 1 + int(getattr(options, "_threads", 2))  # gloo's default: two worker threads
 
 
 # -- profiler events ---------------------------------------------------------------------

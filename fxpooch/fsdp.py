@@ -21,8 +21,11 @@ What a rank holds beyond the planned graphs, counted as resident through the ste
   and during the blocks' graphs: with ``U`` the largest block's all-gathered (unsharded) bytes, up to
   ``U`` for the block computing, ``U`` for the block prefetched in the backward (or, in the forward,
   the previous block's all-gather output, kept until the next copy-out), ``U`` for an all-gather
-  output being copied out, and ``U`` for each reduce-scatter input FSDP keeps in flight
-  (``set_reduce_scatter_max_input_buffers``, 1 by default): ``(3 + buffers) * U``.
+  output being copied out, ``U`` for each reduce-scatter input FSDP keeps in flight
+  (``set_reduce_scatter_max_input_buffers``, 1 by default), and ``U`` for each temporary copy the
+  process group's backend makes (gloo: one on the calling thread and one on each worker thread,
+  freed when that thread is done, so how many are alive at once depends on the threads' timing;
+  NCCL: none): ``(3 + buffers + temporaries) * U``.
 
 The unsharded gradients a block's backward returns are counted by the plan until that backward call
 returns (``build_step_graph(gradients_reduced=True)``): FSDP's post-backward hook then copies them
@@ -65,7 +68,8 @@ class ShardedLayout:
     def window_bytes(self) -> int:
         """The upper bound of what FSDP's hooks hold at once beyond the shards (module docstring)."""
         buffers = max(g.reduce_scatter_buffers for _, g in self.blocks)
-        return (GATHERED_AT_ONCE + buffers) * self.largest_unsharded_bytes
+        temporaries = max(g.collective_temporaries for _, g in self.blocks)
+        return (GATHERED_AT_ONCE + buffers + temporaries) * self.largest_unsharded_bytes
 
 
 def _fsdp_classes() -> tuple[type, type] | None:
