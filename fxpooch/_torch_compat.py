@@ -342,8 +342,11 @@ def collective_temporaries(process_group: Any) -> int:
 
     if dist.get_backend(process_group) != "gloo":
         return 0
-    options = process_group._get_backend(torch.device("cpu")).options
-    return 1 + int(getattr(options, "_threads", 2))  # gloo's default: two worker threads
+    try:
+        threads = int(process_group._get_backend(torch.device("cpu")).options._threads)
+    except (AttributeError, RuntimeError):  # where torch does not say: gloo's default
+        threads = 2
+    return 1 + threads
 
 
 # -- profiler events ---------------------------------------------------------------------
