@@ -3,10 +3,10 @@
 ``local`` starts from the best of PoocH's plan and the reference plans (swap-all, sqrt(n)
 checkpointing, recompute everything), applies changes to groups of activations that repeat
 across blocks (a layer's attention scores in every layer, say) and trades between two such
-groups (one kept, the other freed; or one swapped, the other recomputed), then clusters of kept activations that read one another,
-then single-activation changes
-(keep / swap / recompute) that make the simulated step faster while the peak stays under the limit, until no
-change helps or its budget (op-simulations, so the plan does not depend on the machine) is
+groups (one kept, the other freed; or one swapped, the other recomputed), then clusters of kept
+activations that read one another, then single-activation changes (keep / swap / recompute)
+that make the simulated step faster while the peak stays under the limit, until no change
+helps or its budget (op-simulations, so the plan does not depend on the machine) is
 spent; on graphs small enough it then runs the exact search's branch and bound from that plan,
 or from the MILP's point improved the same way where that is faster (with scipy), with the budget
 left. It is never slower than ``pooch`` nor than any reference plan that fits. ``exact`` finds
@@ -160,7 +160,7 @@ def link_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], rebuild:
                 stop_at: int) -> Candidate | None:
     """The first faster fitting plan that swaps one group or half group it recomputes now and
     recomputes another, disjoint one that now sends at least as many bytes over the link; the
-    trades that run the fewest seconds of recompute chains (``rebuild``: per activation, its
+    trades that save the most seconds of recompute chains (``rebuild``: per activation, its
     shortest chain's) first; or None. Where the link is the bottleneck, offloads queue behind
     one another and the last ones end after the forward, too late to free memory for the peak:
     its bytes are best spent on the activations that cost most to rebuild. Neither change alone
@@ -172,15 +172,13 @@ def link_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], rebuild:
     now_recomputed = [[a for a in p if best.decisions[a] is Decision.RECOMPUTE and acts[a].swappable] for p in parts]
     now_swapped = [[a for a in p if best.decisions[a] is Decision.SWAP and ev.can_recompute(a, best.decisions)]
                    for p in parts]
-    trades = []
-    for i, to_swap in enumerate(now_recomputed):
-        sent = sum(xfer[a] for a in to_swap)
-        for j, to_recompute in enumerate(now_swapped):
-            saved = sum(rebuild[a] for a in to_swap) - sum(rebuild[a] for a in to_recompute)
-            if (to_swap and to_recompute and saved > 0 and sum(xfer[a] for a in to_recompute) >= sent
-                    and not set(parts[i]) & set(parts[j])):
-                trades.append((-saved, i, j))
-    trades.sort()
+    sent = [sum(xfer[a] for a in p) for p in now_recomputed]  # what swapping those sends
+    saved = [sum(rebuild[a] for a in p) for p in now_recomputed]  # and the chains it no longer runs
+    freed = [sum(xfer[a] for a in p) for p in now_swapped]  # what recomputing those takes off the link
+    spent = [sum(rebuild[a] for a in p) for p in now_swapped]  # and the chains it runs
+    trades = sorted((spent[j] - saved[i], i, j) for i in range(len(parts)) if now_recomputed[i]
+                    for j in range(len(parts)) if now_swapped[j] and freed[j] >= sent[i] and spent[j] < saved[i]
+                    and not set(parts[i]) & set(parts[j]))
     return first_faster(ev, best, ((parts[i], Decision.SWAP, parts[j], Decision.RECOMPUTE) for _, i, j in trades),
                         stop_at)
 
