@@ -12,11 +12,16 @@ The stages, one call each (see :mod:`fxpooch.pipeline`): ``trace_step`` -> ``pro
 """
 from __future__ import annotations
 
+import warnings as _warnings
+
+import torch as _torch
+
+from . import _torch_compat
 from . import runtime as _runtime  # noqa: F401  (registers the fxpooch:: ops)
 from .api import CompiledModule, CompileOptions, compile, plan
 from .torch_backend import Backend, backend, named_backend
 from .errors import (FxpoochError, HostPoolExhausted, InfeasibleMemoryLimit, InvalidMemoryLimit, InvalidOption, InvalidProfile,
-                     PendingBackward, ReplanLimitExceeded, UnknownName, UnsupportedModel)
+                     PendingBackward, ReplanLimitExceeded, UnknownName, UnsupportedModel, UntestedTorchWarning)
 from .memory import Margin
 from .hardware import PRESETS as HARDWARE_PRESETS
 from .hardware import Hardware, Link
@@ -27,9 +32,12 @@ from .profile import Profile
 
 __version__ = "0.1.0"
 
+if (_untested := _torch_compat.untested_torch(_torch.__version__)) is not None:
+    _warnings.warn(_untested, UntestedTorchWarning, stacklevel=2)
+
 __all__ = [
     "HARDWARE_PRESETS", "PLANNERS", "Backend", "CompileOptions", "CompiledModule", "FxpoochError", "Hardware",
     "HostPoolExhausted", "InfeasibleMemoryLimit", "Margin", "InvalidMemoryLimit", "InvalidOption", "InvalidProfile", "Link", "Plan", "Profile",
-    "PendingBackward", "ReplanLimitExceeded", "TracedStep", "UnknownName", "UnsupportedModel", "backend", "compile", "named_backend", "plan",
+    "PendingBackward", "ReplanLimitExceeded", "TracedStep", "UnknownName", "UnsupportedModel", "UntestedTorchWarning", "backend", "compile", "named_backend", "plan",
     "plan_graph", "profile_step", "replan", "trace_step",
 ]

@@ -5,12 +5,32 @@ Everything here is a thin adapter; callers see plain functions with stable signa
 from __future__ import annotations
 
 import bisect
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+
+#: the torch releases fxpooch is tested with, first and last (pyproject.toml requires the same)
+TESTED_TORCH = ((2, 11), (2, 13))
+
+
+def untested_torch(version: str) -> str | None:
+    """What to do about torch ``version`` (``torch.__version__``) when it is not one of
+    :data:`TESTED_TORCH`; None when it is.
+
+    >>> untested_torch("2.13.0+cpu") is None
+    True
+    """
+    release = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_TORCH
+    if TESTED_TORCH[0] <= release <= TESTED_TORCH[1]:
+        return None
+    return (f"fxpooch is tested with torch {lo_major}.{lo_minor} to {hi_major}.{hi_minor}, not {version}: the "
+            "private torch APIs it adapts (fxpooch/_torch_compat.py) may differ there. Install a tested release: "
+            f"pip install 'torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}'")
 
 
 def aot_backend(fw_compiler: Callable, bw_compiler: Callable, partition_fn: Callable,

@@ -10,6 +10,10 @@ class FxpoochError(Exception):
     """Base class of every error fxpooch raises on purpose."""
 
 
+class UntestedTorchWarning(UserWarning):
+    """Issued once, when fxpooch is imported with a torch release it is not tested with."""
+
+
 class InvalidMemoryLimit(FxpoochError, ValueError):
     """``mem_limit`` is not a positive byte count or a string such as ``"16GiB"``."""
 
