@@ -190,7 +190,10 @@ def test_backend_steps_fit_the_limit_once_a_step_is_measured():
     # in step 5 and read as step 6 starts
     train_steps(cm, model, x, 6)
     (check,) = backend.checks.values()
-    assert [m.plan.counts()["swap"] for m in check.measured] == [0, 1]
+    # in core, then with something freed: swapped or recomputed, as the measured profile's times say
+    # (a profile measured under load made it a recompute)
+    n = len(check.measured[0].plan.decisions)
+    assert [m.plan.counts()["keep"] == n for m in check.measured] == [True, False]
     assert check.measured[0].peak_bytes > LIMIT >= check.measured[1].peak_bytes
     assert check.result == check.measured[1] and backend.plan is check.result.plan
     assert backend.plan.margin_bytes > 0
