@@ -19,14 +19,14 @@ TESTED_TORCH = ((2, 11), (2, 13))
 
 def untested_torch(version: str) -> str | None:
     """What to do about torch ``version`` (``torch.__version__``) when it is not one of
-    :data:`TESTED_TORCH`; None when it is.
+    :data:`TESTED_TORCH`; None when it is (or names no release: nothing to compare).
 
     >>> untested_torch("2.13.0+cpu") is None
     True
     """
-    release = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", version).groups())
+    parsed = re.match(r"(\d+)\.(\d+)", version)
     (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_TORCH
-    if TESTED_TORCH[0] <= release <= TESTED_TORCH[1]:
+    if parsed is None or TESTED_TORCH[0] <= (int(parsed[1]), int(parsed[2])) <= TESTED_TORCH[1]:
         return None
     return (f"fxpooch is tested with torch {lo_major}.{lo_minor} to {hi_major}.{hi_minor}, not {version}: the "
             "private torch APIs it adapts (fxpooch/_torch_compat.py) may differ there. Install a tested release: "

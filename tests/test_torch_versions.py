@@ -28,6 +28,10 @@ def test_untested_torch_names_the_tested_releases(version, tested):
         assert f"tested with torch 2.11 to 2.13, not {version}" in message and INSTALL in message
 
 
+def test_a_version_naming_no_release_is_not_compared():
+    assert untested_torch("unknown") is None  # no warning, and no failed import
+
+
 def test_pyproject_requires_the_tested_releases():
     text = (ROOT / "pyproject.toml").read_text()
     (low, high), = re.findall(r'"torch>=(\d+\.\d+),<(\d+\.\d+)"', text)
