@@ -49,6 +49,12 @@ class Candidate:
         """Does the schedule recompute shared segments once (see :func:`build_schedule`)?"""
         return self.schedule.shared
 
+    @property
+    def layout(self) -> Schedule:
+        """The schedule in program order, for its memory without copy timing (``static_memory``):
+        the schedule itself, or for an :class:`Unjudged` plan its just-in-time one, unsimulated."""
+        return self.schedule
+
 
 class Unjudged(Candidate):
     """A plan that cannot fit, simulated only when its schedule or timeline is first read.
@@ -58,9 +64,9 @@ class Unjudged(Candidate):
     candidate the evaluator would have made, so reading one gives the same values.
     """
 
-    def __init__(self, decisions: tuple[Decision, ...], shared: bool, judge: Callable[[], Candidate]):
+    def __init__(self, jit: Schedule, judge: Callable[[], Candidate]):
         object.__setattr__(self, "fits", False)
-        object.__setattr__(self, "_facts", (decisions, shared))
+        object.__setattr__(self, "_jit", jit)
         object.__setattr__(self, "_judge", judge)
 
     @functools.cached_property
@@ -77,11 +83,15 @@ class Unjudged(Candidate):
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
-        return self._facts[0]
+        return self._jit.decisions
 
     @property
     def shared(self) -> bool:
-        return self._facts[1]
+        return self._jit.shared
+
+    @property
+    def layout(self) -> Schedule:
+        return self._jit
 
 
 def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
@@ -195,7 +205,7 @@ class Evaluator:
             return None
         self.evaluations += 1
         if not self.may_fit(jit):  # early prefetches only raise the program-order peak: nothing fits
-            return Unjudged(decisions, jit.shared, lambda: self._judged(jit, early))
+            return Unjudged(jit, lambda: self._judged(jit, early))
         return self._judged(jit, early)
 
     def _judged(self, jit: Schedule, early: bool) -> Candidate:

@@ -31,6 +31,7 @@ from .fixed import FixedBound
 from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget
 from .moves import clusters, exchange, faster, followups, linked, with_group
 from .pooch import plan_pooch
+from .split import split_seed
 
 log = logging.getLogger("fxpooch.planner.search")
 
@@ -65,6 +66,13 @@ class SearchOptions:
     #: on the test zoo's 3 to 16. Its point lies in another basin than the descent's: on
     #: test:transformer_block half way to in-core over PCIe3, the optimum (1.062x in-core, not 1.097x)
     milp_nodes: int = 200
+    #: ``local`` also starts from the plans that swap these fractions of the forward's activations
+    #: and recompute the rest, brought under the limit within this share of its budget
+    #: (``split.py``; graphs of more than ``max_exact`` activations); ``()``: not. Near the floor
+    #: the descent from PoocH's plan and the reference plans stays swap-heavy: GPT-2 at 12 layers
+    #: over PCIe3 at its floor planned 3.374x in-core from them, 2.691x from a split plan
+    splits: tuple[float, ...] = (0.125, 0.25, 0.375)
+    split_work: float = 1 / 6
 
 
 def local_search(ev: Evaluator, seed: Candidate, simulations: int) -> Candidate:
@@ -252,7 +260,8 @@ def seeds(ev: Evaluator, name: str) -> Candidate:
 
 
 def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Candidate:
-    """The best of PoocH's plan and the reference plans, then the moves of repeated groups, of
+    """The best of PoocH's plan, the reference plans and the split plans (``split.py``), then the
+    moves of repeated groups, of
     clusters (:func:`~fxpooch.planners.moves.clusters`, at most half the simulations left) and local
     search; on graphs small enough for the exact search, the MILP's point improved the same way
     (:func:`milp_seed`) and branch and bound from the better plan with the simulations left and the
@@ -260,6 +269,9 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     ev = Evaluator(problem)
     stop_at = simulation_budget(problem.graph, options.work, options.max_simulations, options.min_simulations)
     best = seeds(ev, "local")
+    if options.splits and len(problem.graph.activations) > options.max_exact:  # smaller: the exact search's
+        split = split_seed(ev, options.splits, ev.simulations + int(options.split_work * stop_at))
+        best = split if split is not None and split.step_time < best.step_time else best
     best = group_search(ev, best, max(0, stop_at - ev.simulations))
     best = clusters(ev, best, ev.simulations + max(0, stop_at - ev.simulations) // 2)
     best = local_search(ev, best, max(0, stop_at - ev.simulations))
