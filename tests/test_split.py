@@ -9,7 +9,7 @@ import pytest
 
 from fxpooch.planners.common import Evaluator, Problem, Unjudged
 from fxpooch.planners.search import SearchOptions, plan_local
-from fxpooch.planners.split import fit_by_peak, live_at_peak, program_peak, split_plan, split_seed
+from fxpooch.planners.split import fit_by_peak, live_at_peak, overage, program_peak, split_plan, split_seed
 from fxpooch.schedule import Decision, build_schedule
 from fxpooch.simulator import static_memory
 from stepgraphs import MiB, chain
@@ -50,6 +50,24 @@ def test_an_unjudged_plan_shows_its_program_order_layout_without_being_simulated
     assert program_peak(c) == 13 * MiB == int(static_memory(build_schedule(ev.graph, [K] * 4)).max())
     assert live_at_peak(c, ev) == [0, 1, 2, 3]  # every activation, at g4 (with its 1 MiB gradient)
     assert "judged" not in c.__dict__  # nothing was simulated
+
+
+def test_overage_sums_the_bytes_over_the_limit_in_program_order():
+    ev = _chain(9)
+    # all kept, MiB per instruction: x 0, a1..a4 4 6 8 12, loss 12, g4 13, g3 10, g2 8, g1 6
+    assert overage(ev.evaluate([K] * 4), ev.budget) == (3 + 3 + 4 + 1) * MiB
+    assert overage(ev.evaluate([K] * 4), 13 * MiB) == 0
+
+
+def test_a_recompute_chain_at_the_peak_makes_what_it_rebuilds_a_candidate():
+    """All recomputed, each chain alone: the peak (7 MiB) is g3's chain running a2 again (a1 and
+    a2 rebuilt, a3 next); a3's storage is not allocated yet, but recomputing it makes that peak."""
+    ev = _chain(13)
+    c = ev.evaluate([R] * 4, share=False)
+    mem = static_memory(c.layout)
+    at = int(mem.argmax())
+    assert mem[at] == 7 * MiB and c.layout.instrs[at].kind.value == "recompute" and c.layout.instrs[at].act == 2
+    assert live_at_peak(c, ev) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("limit_mib, expected, seconds", [

@@ -11,14 +11,14 @@ the descent stays in the swap-heavy basin. :func:`split_seed` makes the split pl
 fractions of the forward and brings each under the limit one change at a time (:func:`fit_by_peak`:
 the change among the activations live at the peak that lowers it most); ``local`` starts its
 descent from the fastest of them where that beats PoocH's plan and the reference plans. GPT-2 at
-12 layers over PCIe3 at its floor: 3.374x in-core from those, 2.691x from the split plan.
+12 layers over PCIe3 at its floor: 3.374x in-core from those, 2.659x from the split plan.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
 
-from ..schedule import Decision
+from ..schedule import Decision, Kind
 from ..simulator import static_memory
 from .common import Candidate, Evaluator
 
@@ -43,9 +43,17 @@ def program_peak(candidate: Candidate) -> int:
     return int(mem.max()) if len(mem) else 0
 
 
+def overage(candidate: Candidate, budget: int) -> int:
+    """Bytes over ``budget`` in program order, summed over the instructions: what a change that
+    lowers one of several equal peaks (one per repeated layer) lowers, where the peak stays."""
+    mem = static_memory(candidate.layout)
+    return int((mem - budget).clip(min=0).sum())
+
+
 def live_at_peak(candidate: Candidate, ev: Evaluator) -> list[int]:
     """The activations whose storage (or a copy of it) is on the device at the candidate's
-    program-order peak, in id order."""
+    program-order peak, and where a recompute chain runs there, those it rebuilds (its buffers
+    are not theirs yet): in id order."""
     sched = candidate.layout
     mem = static_memory(sched)
     if len(mem) == 0:
@@ -53,20 +61,21 @@ def live_at_peak(candidate: Candidate, ev: Evaluator) -> list[int]:
     at = int(mem.argmax())
     buffers = {sched.instance_buffer[x] for x, n in enumerate(sched.instance_bytes)
                if n and 0 <= sched.first_alloc[x] <= at and (sched.persistent[x] or sched.last_reader[x] >= at)}
-    return [a for a, act in enumerate(ev.graph.activations) if act.buffer in buffers]
+    rebuilt = set(sched.materialises.get(sched.instrs[at].act, ())) if sched.instrs[at].kind is Kind.RECOMPUTE else set()
+    return [a for a, act in enumerate(ev.graph.activations) if act.buffer in buffers or a in rebuilt]
 
 
 def fit_by_peak(ev: Evaluator, candidate: Candidate, stop_at: int) -> Candidate | None:
     """``candidate`` brought under the limit by single changes: each time, of every change of an
     activation live at its program-order peak, the one whose plan fits and is fastest, else the
-    one with the lowest program-order peak; None when a change lowers that peak no more or
+    one with the least :func:`overage`; None when a change lowers that no more or
     ``ev.simulations`` reaches ``stop_at`` first, or would before the peak can reach the limit
     (a change lowers it by one activation's bytes at most). Plans over the limit are ranked
     without simulating them: most are over in program order already."""
     acts = ev.graph.activations
     nbytes = [ev.graph.buffers[act.buffer].nbytes for act in acts]
     while not candidate.fits:
-        peak = program_peak(candidate)
+        peak, over = program_peak(candidate), overage(candidate, ev.budget)
         live = live_at_peak(candidate, ev)
         steps = (stop_at - ev.simulations) // max(1, 2 * len(live))  # each tries two changes per activation
         if peak - ev.budget > steps * max((nbytes[a] for a in live), default=0):
@@ -82,10 +91,10 @@ def fit_by_peak(ev: Evaluator, candidate: Candidate, stop_at: int) -> Candidate 
                 c = ev.evaluate(trial)
                 if c is None:
                     continue
-                key = (0, c.step_time) if c.fits else (1, program_peak(c))
+                key = (0, c.step_time) if c.fits else (1, overage(c, ev.budget))
                 if score is None or key < score:
                     best, score = c, key
-        if best is None or (not best.fits and score[1] >= peak):
+        if best is None or (not best.fits and score[1] >= over):
             return None
         candidate = best
     return candidate
