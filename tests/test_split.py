@@ -9,7 +9,7 @@ import pytest
 
 from fxpooch.planners.common import Evaluator, Problem, Unjudged
 from fxpooch.planners.search import SearchOptions, plan_local
-from fxpooch.planners.split import fit_by_peak, live_at_peak, overage, program_peak, split_plan, split_seed
+from fxpooch.planners.split import fit_by_peak, peak_candidates, overage, program_peak, split_plan, split_seed
 from fxpooch.schedule import Decision, build_schedule
 from fxpooch.simulator import static_memory
 from stepgraphs import MiB, chain
@@ -48,7 +48,7 @@ def test_an_unjudged_plan_shows_its_program_order_layout_without_being_simulated
     assert isinstance(c, Unjudged) and not c.fits
     assert c.layout.decisions == (K, K, K, K)
     assert program_peak(c) == 13 * MiB == int(static_memory(build_schedule(ev.graph, [K] * 4)).max())
-    assert live_at_peak(c, ev) == [0, 1, 2, 3]  # every activation, at g4 (with its 1 MiB gradient)
+    assert peak_candidates(c, ev) == [0, 1, 2, 3]  # every activation, at g4 (with its 1 MiB gradient)
     assert "judged" not in c.__dict__  # nothing was simulated
 
 
@@ -67,7 +67,7 @@ def test_a_recompute_chain_at_the_peak_makes_what_it_rebuilds_a_candidate():
     mem = static_memory(c.layout)
     at = int(mem.argmax())
     assert mem[at] == 7 * MiB and c.layout.instrs[at].kind.value == "recompute" and c.layout.instrs[at].act == 2
-    assert live_at_peak(c, ev) == [0, 1, 2]
+    assert peak_candidates(c, ev) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("limit_mib, expected, seconds", [

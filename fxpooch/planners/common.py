@@ -283,15 +283,22 @@ class Evaluator:
                                      live_at_peak(self.graph, floor), planner)
 
 
+def instances_at_peak(sched: Schedule) -> tuple[int, list[int]]:
+    """The instruction at ``sched``'s program-order peak and the device instances live there
+    (-1 and none for an empty schedule)."""
+    mem = static_memory(sched)
+    if len(mem) == 0:
+        return -1, []
+    at = int(mem.argmax())
+    return at, [x for x, n in enumerate(sched.instance_bytes)
+                if n and 0 <= sched.first_alloc[x] <= at and (sched.persistent[x] or sched.last_reader[x] >= at)]
+
+
 def live_at_peak(graph: StepGraph, candidate: Candidate) -> list[tuple[str, int]]:
     """Names and sizes of the device buffers live at the candidate's (program-order) peak."""
     sched = candidate.schedule
-    mem = static_memory(sched)
-    if len(mem) == 0:
-        return []
-    at = int(mem.argmax())
-    live = [(graph.buffers[sched.instance_buffer[x]].name, n) for x, n in enumerate(sched.instance_bytes)
-            if n and 0 <= sched.first_alloc[x] <= at and (sched.persistent[x] or sched.last_reader[x] >= at)]
+    live = [(graph.buffers[sched.instance_buffer[x]].name, sched.instance_bytes[x])
+            for x in instances_at_peak(sched)[1]]
     return sorted(live, key=lambda t: -t[1])
 
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from ..schedule import Decision, Kind
 from ..simulator import static_memory
-from .common import Candidate, Evaluator
+from .common import Candidate, Evaluator, instances_at_peak
 
 log = logging.getLogger("fxpooch.planner.split")
 
@@ -50,24 +50,23 @@ def overage(candidate: Candidate, budget: int) -> int:
     return int((mem - budget).clip(min=0).sum())
 
 
-def live_at_peak(candidate: Candidate, ev: Evaluator) -> list[int]:
+def peak_candidates(candidate: Candidate, ev: Evaluator) -> list[int]:
     """The activations whose storage (or a copy of it) is on the device at the candidate's
     program-order peak, and where a recompute chain runs there, those it rebuilds (its buffers
     are not theirs yet): in id order."""
     sched = candidate.layout
-    mem = static_memory(sched)
-    if len(mem) == 0:
+    at, live = instances_at_peak(sched)
+    if at < 0:
         return []
-    at = int(mem.argmax())
-    buffers = {sched.instance_buffer[x] for x, n in enumerate(sched.instance_bytes)
-               if n and 0 <= sched.first_alloc[x] <= at and (sched.persistent[x] or sched.last_reader[x] >= at)}
-    rebuilt = set(sched.materialises.get(sched.instrs[at].act, ())) if sched.instrs[at].kind is Kind.RECOMPUTE else set()
+    buffers = {sched.instance_buffer[x] for x in live}
+    instr = sched.instrs[at]
+    rebuilt = set(sched.materialises.get(instr.act, ())) if instr.kind is Kind.RECOMPUTE else set()
     return [a for a, act in enumerate(ev.graph.activations) if act.buffer in buffers or a in rebuilt]
 
 
 def fit_by_peak(ev: Evaluator, candidate: Candidate, stop_at: int) -> Candidate | None:
-    """``candidate`` brought under the limit by single changes: each time, of every change of an
-    activation live at its program-order peak, the one whose plan fits and is fastest, else the
+    """``candidate`` brought under the limit by single changes: each time, of every change of a
+    :func:`peak_candidates` activation, the one whose plan fits and is fastest, else the
     one with the least :func:`overage`; None when a change lowers that no more or
     ``ev.simulations`` reaches ``stop_at`` first, or would before the peak can reach the limit
     (a change lowers it by one activation's bytes at most). Plans over the limit are ranked
@@ -76,7 +75,7 @@ def fit_by_peak(ev: Evaluator, candidate: Candidate, stop_at: int) -> Candidate 
     nbytes = [ev.graph.buffers[act.buffer].nbytes for act in acts]
     while not candidate.fits:
         peak, over = program_peak(candidate), overage(candidate, ev.budget)
-        live = live_at_peak(candidate, ev)
+        live = peak_candidates(candidate, ev)
         steps = (stop_at - ev.simulations) // max(1, 2 * len(live))  # each tries two changes per activation
         if peak - ev.budget > steps * max((nbytes[a] for a in live), default=0):
             return None
