@@ -23,7 +23,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("schedule", {"schedule", "simulator"}),
     ("planners", {"planners", "planners.registry", "planners.common", "planners.lp", "planners.floor", "planners.chains", "planners.issue_order", "planners.milp", "planners.baselines",
                   "planners.bounds", "planners.fixed", "planners.branch", "planners.pooch", "planners.moves",
-                  "planners.search"}),
+                  "planners.split", "planners.search"}),
     ("plan", {"plan"}),
     ("inspect", {"whatif", "report", "explain", "svg", "trace"}),
     ("passes", {"passes", "passes.meta", "passes.offload", "passes.swapin", "passes.rewrite", "passes.slots"}),

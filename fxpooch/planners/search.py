@@ -68,7 +68,7 @@ class SearchOptions:
     #: test:transformer_block half way to in-core over PCIe3, the optimum (1.062x in-core, not 1.097x)
     milp_nodes: int = 200
     #: ``local`` also starts from the plans that swap these fractions of the forward's activations
-    #: and recompute the rest, brought under the limit within this share of its budget
+    #: and recompute the rest, brought under the limit within this share of its budget more
     #: (``split.py``; graphs of more than ``max_exact`` activations); ``()``: not. Near the floor
     #: the descent from PoocH's plan and the reference plans stays swap-heavy: GPT-2 at 12 layers
     #: over PCIe3 at its floor planned 3.374x in-core from them, 2.659x from a split plan
@@ -271,8 +271,10 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     stop_at = simulation_budget(problem.graph, options.work, options.max_simulations, options.min_simulations)
     best = seeds(ev, "local")
     if options.splits and len(problem.graph.activations) > options.max_exact:  # smaller: the exact search's
+        spent = ev.simulations
         split = split_seed(ev, options.splits, ev.simulations + int(options.split_work * stop_at))
         best = split if split is not None and split.step_time < best.step_time else best
+        stop_at += ev.simulations - spent  # more work, not less for the descent
     best = group_search(ev, best, max(0, stop_at - ev.simulations))
     best = clusters(ev, best, ev.simulations + max(0, stop_at - ev.simulations) // 2)
     best = local_search(ev, best, max(0, stop_at - ev.simulations))

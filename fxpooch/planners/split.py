@@ -106,7 +106,7 @@ def split_seed(ev: Evaluator, fractions: Sequence[float], stop_at: int) -> Candi
     best = None
     for i, fraction in enumerate(fractions):
         share = (stop_at - ev.simulations) // (len(fractions) - i)
-        start = ev.evaluate(split_plan(ev, fraction))
+        start = ev.evaluate(split_plan(ev, fraction), share=True)  # shared only; the repair tries both
         c = None if start is None else fit_by_peak(ev, start, ev.simulations + share)
         log.debug("split at %.3g of the forward: %s", fraction, "no fit" if c is None else f"{c.step_time:.4g} s")
         if c is not None and (best is None or c.step_time < best.step_time):
