@@ -71,7 +71,7 @@ class SearchOptions:
     #: and recompute the rest, brought under the limit within this share of its budget more
     #: (``split.py``; graphs of more than ``max_exact`` activations); ``()``: not. Near the floor
     #: the descent from PoocH's plan and the reference plans stays swap-heavy: GPT-2 at 12 layers
-    #: over PCIe3 at its floor planned 3.374x in-core from them, 2.659x from a split plan
+    #: over PCIe3 at its floor planned 3.374x in-core from them, 2.454x from a split plan
     splits: tuple[float, ...] = (0.125, 0.25, 0.375)
     split_work: float = 1 / 3
 

@@ -11,7 +11,7 @@ the descent stays in the swap-heavy basin. :func:`split_seed` makes the split pl
 fractions of the forward and brings each under the limit one change at a time (:func:`fit_by_peak`:
 the change among the activations live at the peak that lowers it most); ``local`` starts its
 descent from the fastest of them where that beats PoocH's plan and the reference plans. GPT-2 at
-12 layers over PCIe3 at its floor: 3.374x in-core from those, 2.659x from the split plan.
+12 layers over PCIe3 at its floor: 3.374x in-core from those, 2.454x from the split plan.
 """
 from __future__ import annotations
 
