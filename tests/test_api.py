@@ -172,6 +172,36 @@ def test_stage_functions_make_the_plan_plan_makes_and_replan_equals_planning_ane
     assert again.in_core_time == staged.in_core_time
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_planners_run_without_the_cyclic_gc_and_leave_it_as_found(enabled):
+    import gc
+    from fxpooch.planners import get_planner
+
+    seen = []
+
+    def spy(problem):  # a planner function: records the collector's state, then plans as in-core does
+        seen.append(gc.isenabled())
+        return get_planner("in-core")(problem)
+
+    def failing(problem):
+        seen.append(gc.isenabled())
+        raise RuntimeError("planner failed")
+
+    model, x = ZOO["mlp"]()
+    step = fxpooch.trace_step(model, (x,))
+    profile = fxpooch.profile_step(step, **ANALYTIC)
+    (gc.enable if enabled else gc.disable)()
+    try:
+        plan = fxpooch.plan_graph(step.graph, step.table, profile, 2**30, planner=spy)
+        assert gc.isenabled() is enabled
+        with pytest.raises(RuntimeError, match="planner failed"):
+            fxpooch.plan_graph(step.graph, step.table, profile, 2**30, planner=failing)
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
+    assert seen == [False, False] and plan.planner == "spy"
+
+
 def test_compile_options_are_keyword_only_and_checked_when_built(tmp_path):
     with pytest.raises(TypeError):
         fxpooch.CompileOptions("local")  # noqa: the planner by position
