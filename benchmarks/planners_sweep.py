@@ -177,7 +177,7 @@ def write_readme(path: str, rows: list[dict], command: str) -> None:
     """Replace the table between the README's sweep markers with one made from ``rows``."""
     body = (f"\n`{command}` (benchmarks/results/planners_sweep.json; simulated on the analytic cost model, "
             f"presets {', '.join(sorted({r['hardware'] for r in rows}))}, limits from the floor to 3/4 of the way to "
-            f"in-core; planning CPU seconds on a loaded 2-core machine):\n\n{readme_table(rows)}\n")
+            f"in-core; planning CPU seconds on a 2-core machine):\n\n{readme_table(rows)}\n")
     replace_between(path, README_BEGIN, README_END, body)
 
 

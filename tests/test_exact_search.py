@@ -101,3 +101,21 @@ def test_the_budget_counts_every_bound_so_it_bounds_the_time(name, monkeypatch):
             part = exact_search(prob, OPTIONS["cuts"], work=work)
             assert part.work >= len(calls), (fraction, work)
             assert part.work <= max(work, seeded) + 3 * len(Decision), (fraction, work)
+
+
+@pytest.mark.parametrize("bound_work", [1, 4])
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_a_bound_counts_bound_work_units(name, bound_work):
+    """``local`` counts a bound as the simulations that take its time: the search's work is its
+    simulations plus ``bound_work`` per bound, and a stopped search overshoots by one node's
+    children at most."""
+    from fxpooch.planners.branch import BranchAndBound
+
+    graph, costs = GRAPHS[name]()
+    for fraction in FRACTIONS:
+        ev = Evaluator(at_fraction(graph, costs, fraction))
+        bounds = Bounds(ev)
+        search = BranchAndBound(ev, bounds, None, bound_work=bound_work)
+        out = search.run(stop_at=60)
+        assert out.work == ev.simulations + bound_work * bounds.evaluations, fraction
+        assert out.proved or out.work <= 60 + len(Decision) * (bound_work + 1), fraction

@@ -64,10 +64,14 @@ class BranchAndBound:
     best: Candidate | None
     fixed: FixedBound | None = None  # the LP with the decided activations fixed (None: not used)
     nodes: int = 0
+    #: units of work a bound counts: 1 (the exact search's), or as many simulations as take its
+    #: time (``local``'s: ``SearchOptions.cuts_per_simulation``)
+    bound_work: int = 1
 
     @property
     def work(self) -> int:
-        return self.ev.simulations + self.bounds.evaluations + (0 if self.fixed is None else self.fixed.solves)
+        return (self.ev.simulations + self.bound_work * self.bounds.evaluations
+                + (0 if self.fixed is None else self.fixed.solves))
 
     @property
     def incumbent(self) -> float:

@@ -67,6 +67,11 @@ class SearchOptions:
     #: on the test zoo's 3 to 16. Its point lies in another basin than the descent's: on
     #: test:transformer_block half way to in-core over PCIe3, the optimum (1.062x in-core, not 1.097x)
     milp_nodes: int = 200
+    #: the cut bounds that cost about one simulation's time on the graphs ``local``'s branch and
+    #: bound runs on (at most ``max_exact`` activations, a few hundred ops): its bounds count as
+    #: that many simulations of its budget. test:cnn_bn (93 ops, 11 cuts): a bound 1.7 to 2.2 ms, a
+    #: simulation 0.5 to 0.7 ms; counted as one, its bounds took most of up to 18 CPU s of planning
+    cuts_per_simulation: int = 3
     #: ``local`` also starts from the plans that swap these fractions of the forward's activations
     #: and recompute the rest, brought under the limit within this share of its budget more
     #: (``split.py``; graphs of more than ``max_exact`` activations); ``()``: not. Near the floor
@@ -287,7 +292,8 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
             root = max(root, milp_bound)
             if point is not None and point.step_time < best.step_time:
                 best = point
-        search = BranchAndBound(ev, bounds, best).run(stop_at, root_bound=root)  # depth first
+        bound_work = max(1, -(-len(bounds.cuts) // options.cuts_per_simulation))
+        search = BranchAndBound(ev, bounds, best, bound_work=bound_work).run(stop_at, root_bound=root)  # depth first
         log.info("local: branch and bound %s after %d nodes", "proved the optimum" if search.proved
                  else "stopped at the budget", search.nodes)
         best = search.best
