@@ -42,7 +42,8 @@ class SearchOptions:
     #: work for the whole ``local`` planner, its seeds included, in op-simulations (a simulation
     #: of a step of n ops counts n; see ``PoochOptions.step_work``): deterministic, and a planning
     #: time linear in the graph's size. On this project's 2-core machine a 2,000-op step plans in
-    #: at most about 5 s, GPT-2 at 48 layers (8,683 ops) in 7 to 19 s (both under load).
+    #: at most about 5 s (GPT-2 at 12 layers, 2,239 ops: 2.6 to 4.3 s), GPT-2 at 48 layers (8,683
+    #: ops) in 11 to 16 s (``benchmarks/planners.py --part sweep``, alone, the collector paused).
     work: int = 500_000
     #: fewest simulations the search gets however large the graph (PoocH's seed included): its
     #: group moves need about as many as a block has kinds of activation times a few, whatever
