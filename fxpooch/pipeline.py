@@ -175,9 +175,9 @@ def _cyclic_gc_paused():
     """Python's cyclic garbage collector off inside (reference counting still frees memory).
 
     A planner allocates millions of small tuples (schedules) while its evaluator holds a few
-    hundred plans: each full collection walks them all, a quarter of ``local``'s time on GPT-2 at
-    12 layers (5 collections, 1.0 of 4.8 s). Nothing a planner makes needs the collector until it
-    returns.
+    hundred plans: each full collection walks them all. On GPT-2 at 12 layers ``local``'s 5 full
+    collections took 1.0 of 4.8 s, and with the collector off it planned in 2.6 to 3.5 s against
+    4.5 to 5.0 s. Nothing a planner makes needs the collector until it returns.
     """
     enabled = gc.isenabled()
     gc.disable()
