@@ -3,7 +3,7 @@ torch.compile's activation budget, ``save_on_cpu`` and full activation checkpoin
 device-memory limit.
 
     python benchmarks/gpu.py                      # ResNet-50 fp32 + bf16 and GPT-2, 3 batches each
-    python benchmarks/gpu.py --quick              # ResNet-50 fp32, limit = 1/3 of in-core, the default planner (local) only
+    python benchmarks/gpu.py --quick              # ResNet-50 fp32 and GPT-2, limit = 1/3 of in-core, the default planner (local) only
     python benchmarks/gpu.py --dry-run [--quick]  # no GPU: batches and floors planned on meta
 
 The limit (``--limit``, 8 GiB) is enforced with ``torch.cuda.set_per_process_memory_fraction``
@@ -40,6 +40,8 @@ from fxpooch import models as zoo
 from fxpooch.codegen import CODEGENS
 from fxpooch.memory import Margin
 from fxpooch.units import format_bytes, parse_bytes
+
+from streams import trace_step
 
 
 log = logging.getLogger("fxpooch.bench.gpu")
@@ -150,10 +152,11 @@ def memory_cap(limit: int | None) -> Iterator[None]:
 
 
 def timed_steps(fn: Callable, model: nn.Module, inputs: tuple, dtype: str, cap: int | None, warmup: int,
-                steps: int, around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                ) -> dict[str, Any]:
+                steps: int, around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                trace: Path | None = None) -> dict[str, Any]:
     """Median step time (CUDA events) and peaks of ``steps`` forward+backward steps after ``warmup``;
-    ``issue_s``: the median host time to issue a step (near ``step_s``: the host, not the GPU, sets the pace)."""
+    ``issue_s``: the median host time to issue a step (near ``step_s``: the host, not the GPU, sets the pace);
+    with ``trace``, one more step under the profiler: its Chrome trace there, ``streams`` its summary."""
     params = list(model.parameters())
 
     def step() -> None:
@@ -179,11 +182,17 @@ def timed_steps(fn: Callable, model: nn.Module, inputs: tuple, dtype: str, cap: 
             issued.append(time.perf_counter() - t0)
             end.record()
         torch.cuda.synchronize()
-    times = [s.elapsed_time(e) / 1e3 for s, e in events]
-    after = allocator_counts()
-    return {"status": "ok", "step_s": statistics.median(times), "steps_s": times, "issue_s": statistics.median(issued),
-            "peak": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
-            "allocator": {k: after[k] - before[k] for k in ALLOCATOR_COUNTS}}
+        times = [s.elapsed_time(e) / 1e3 for s, e in events]
+        after = allocator_counts()
+        out = {"status": "ok", "step_s": statistics.median(times), "steps_s": times,
+               "issue_s": statistics.median(issued), "peak": torch.cuda.max_memory_allocated(),
+               "reserved": torch.cuda.max_memory_reserved(), "allocator": {k: after[k] - before[k] for k in ALLOCATOR_COUNTS}}
+        if trace is not None:  # after the measured steps: a trace that fails loses none of them
+            try:
+                out.update(streams=trace_step(step, trace), trace=str(trace))
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory under the cap
+                out["trace_error"] = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+    return out
 
 
 #: caching-allocator events over the timed steps: a retry frees the cache (and synchronizes) to satisfy
@@ -254,7 +263,9 @@ class Run:
                     row = {"config": cfg.name, "model": cfg.model, "dtype": cfg.dtype, "batch": cfg.batch,
                            "ratio": cfg.ratio, "limit": cfg.limit, "method": name, "status": "skipped (time budget)"}
                     self.rows[cfg, name] = row
-                    if time.monotonic() < self.deadline:
+                    if name in self.args.skip:
+                        row["status"] = "skipped (--skip)"
+                    elif time.monotonic() < self.deadline:
                         attempt(row, lambda cfg=cfg, row=row: self.method(cfg, row))
                         self.save(list(self.rows.values()))  # a run stopped from outside keeps what it measured
         for cfg in cfgs:  # fxpooch's own prediction of the in-core step, next to the measured one
@@ -291,7 +302,7 @@ class Run:
         if name == "torch.compile budget":
             return self.compile_budget(cfg, model, inputs, row)
         if name == "in-core":
-            return self.steps(model, model, inputs, cfg, None)
+            return self.steps(model, model, inputs, cfg, None, trace=self.trace_path(cfg, name))
         if name == "torch.compile":  # inductor, in-core (uncapped, as in-core is)
             fn = torch.compile(compat.fresh_entry(model, f"bench_{cfg.name}_{cfg.batch}_compile".replace("-", "_")))
             return self.steps(fn, model, inputs, cfg, None)
@@ -303,6 +314,12 @@ class Run:
 
     def steps(self, fn: Callable, model: nn.Module, inputs: tuple, cfg: Config, cap: int | None, **kw) -> dict:
         return timed_steps(fn, model, inputs, cfg.dtype, cap, self.args.warmup, self.args.steps, **kw)
+
+    def trace_path(self, cfg: Config, method: str) -> Path | None:
+        """Where ``--trace-dir`` keeps the profiler trace of ``method``'s step in ``cfg`` (None: no traces)."""
+        if not self.args.trace_dir:
+            return None
+        return Path(self.args.trace_dir) / re.sub(r"[^A-Za-z0-9.]+", "-", f"{cfg.name}-{cfg.batch}-{method}.json.gz")
 
     def fxpooch(self, cfg: Config, planner: str, cg: str, model: WithLoss, inputs: tuple, row: dict[str, Any]) -> dict:
         t0 = time.perf_counter()
@@ -319,7 +336,7 @@ class Run:
                    pred_in_core_peak=plan.in_core_peak_bytes, counts=plan.counts(), resident=plan.graph.resident_bytes,
                    margin=plan.margin_bytes, profile=plan.profile.source, host_bytes=plan.host_bytes,
                    link=plan.profile.link.to_json())
-        out = self.steps(cm, model, inputs, cfg, cfg.limit)
+        out = self.steps(cm, model, inputs, cfg, cfg.limit, trace=self.trace_path(cfg, row["method"]))
         if planner == LEAD:  # the same plan without the cap: what the capped allocator costs it
             out["uncapped"] = {k: v for k, v in self.steps(cm, model, inputs, cfg, None).items()
                                if k in ("step_s", "issue_s", "peak", "reserved", "allocator")}
@@ -387,8 +404,6 @@ def configs(args: argparse.Namespace, hardware: str | None = None) -> list[Confi
             batches, (a, s) = fit_batches(model, args.limit, ratios, in_core_peak(model, dtype, args.gpt_layers, hardware))
             log.info("%s-%s in-core peak ~ %s + %s/sample", model, dtype, format_bytes(int(a)), format_bytes(int(s)))
             out += [Config(model, dtype, b, r, args.limit) for b, r in zip(batches, ratios)]
-        if args.quick:
-            break
     return sorted(out, key=lambda c: -c.ratio)  # the 3x configs of every model first
 
 
@@ -462,19 +477,24 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one model, one dtype, limit = in-core/3, the default planner (local) only")
+    p.add_argument("--quick", action="store_true", help="each model's first dtype, limit = in-core/3, the default planner (local) only")
     p.add_argument("--models", default="resnet50,gpt2", help="comma list of: " + ",".join(MODEL_DTYPES))
     p.add_argument("--limit", default="8GiB", help="device memory limit of every method but in-core (8GiB)")
     p.add_argument("--planners", default=None, help="comma list (default: all of fxpooch.PLANNERS but in-core and exact)")
     p.add_argument("--gpt-layers", type=int, default=12, help="decoder blocks of the GPT-2 model (12)")
     defaults = {"budget-iters": (3, 1, "torch.compile budget bisection steps"), "warmup": (2, 1, "warm-up steps"),
                 "steps": (5, 3, "timed steps per method"),
-                "time-budget": (480, 110, "seconds; later methods are 'skipped (time budget)'; 0 = no limit")}
+                "time-budget": (480, 240, "seconds; later methods are 'skipped (time budget)'; 0 = no limit")}
     for flag, (full, quick, what) in defaults.items():
         p.add_argument(f"--{flag}", type=float if flag == "time-budget" else int, help=f"{what} ({full}; quick {quick})")
     p.add_argument("--alloc-conf", default=ALLOC_CONF,
                    help=f"PYTORCH_CUDA_ALLOC_CONF of every method ({ALLOC_CONF}; '' = the default allocator), "
                         "unless the environment already sets it")
+    p.add_argument("--skip", default="", help="comma list of methods not to run, e.g. 'torch.compile,save_on_cpu' "
+                   "(the names of the table's method column; 'torch.compile budget' for the bisected budget)")
+    p.add_argument("--trace-dir", default=None,
+                   help="write a profiler trace (Chrome JSON, gzipped) of one step of in-core and each fxpooch row "
+                        "there, and its per-stream summary into the row (benchmarks/streams.py)")
     p.add_argument("--out", default=None, help="JSON (default benchmarks/results/gpu-<device>.json)")
     p.add_argument("--dry-run", action="store_true", help="no GPU: plan the configurations on meta and print them")
     p.add_argument("--dry-run-plan", action="store_true", help="with --dry-run: also run every planner on meta")
@@ -483,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     q = args.quick
     args.models = [m for m in args.models.split(",") if m]
+    args.skip = [m.strip() for m in args.skip.split(",") if m.strip()]
     if unknown := [m for m in args.models if m not in MODEL_DTYPES]:
         p.error(f"unknown model(s) {unknown}: choose from {list(MODEL_DTYPES)}")
     args.limit = parse_bytes(args.limit)

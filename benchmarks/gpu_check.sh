@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
-# The GPU checks in one go, about 8 minutes on an H100: the CUDA tests (8 processes where
-# pytest-xdist is installed), then the
-# benchmark's default configuration (ResNet-50 fp32 at limit = in-core/3) with the time left.
+# The GPU checks in one go, about 9 minutes on an H100: the CUDA tests (8 processes where
+# pytest-xdist is installed), then benchmarks/gpu.py --quick (ResNet-50 fp32 and GPT-2 at
+# limit = in-core/3, the default planner) with the time left, a profiler trace of one step of
+# in-core and of each fxpooch row kept (benchmarks/streams.py summarizes it into the JSON).
 #
-#   bash benchmarks/gpu_check.sh [DIR] [BENCH_SECONDS]
+#   bash benchmarks/gpu_check.sh [DIR] [BENCH_SECONDS] [gpu.py options...]
 #
-# DIR (default benchmarks/results/gpu-check) receives pytest.log, bench.log, gpu.json and the
-# measured profiles of test_cuda.py's limit sweep (profiles/*.json, replayable on any machine).
+# DIR (default benchmarks/results/gpu-check) receives pytest.log, bench.log, gpu.json, the traces
+# (traces/*.json.gz) and the measured profiles of test_cuda.py's limit sweep (profiles/*.json,
+# replayable on any machine). Options after BENCH_SECONDS go to gpu.py, e.g. --skip torch.compile.
 set -uo pipefail
 out="${1:-benchmarks/results/gpu-check}"
-bench_s="${2:-300}"
-mkdir -p "$out/profiles"
+bench_s="${2:-360}"
+shift $(( $# < 2 ? $# : 2 ))
+mkdir -p "$out/profiles" "$out/traces"
 export PYTHONUNBUFFERED=1
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' || exit 2
 parallel=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8")
-FXPOOCH_KEEP_PROFILES="$out/profiles" timeout 180 python3 -m pytest -q -rfE $parallel -p no:cacheprovider \
+FXPOOCH_KEEP_PROFILES="$out/profiles" timeout 150 python3 -m pytest -q -rfE $parallel -p no:cacheprovider \
     tests/test_cuda.py tests/test_training_loops.py -k cuda 2>&1 | tee "$out/pytest.log" \
     | grep -E "^(FAILED|ERROR)|passed|failed"
-timeout "$bench_s" python3 benchmarks/gpu.py --quick --time-budget "$((bench_s - 60))" --out "$out/gpu.json" \
-    > "$out/bench.log" 2>&1
+timeout "$bench_s" python3 benchmarks/gpu.py --quick --time-budget "$((bench_s - 70))" --out "$out/gpu.json" \
+    --trace-dir "$out/traces" "$@" > "$out/bench.log" 2>&1
 echo "benchmark exit $?"
 grep -v "fxpooch.pipeline\|fxpooch.profile\|fxpooch.progress" "$out/bench.log" | tail -n 25
