@@ -208,7 +208,12 @@ class CompiledModule(nn.Module):
                     outputs = [self._compiled(*args, **kwargs)]
                 peakcheck.run_backward(outputs, self.options.outputs_held)
 
-            peak, seconds = peakcheck.measure_step(self.model, (args, kwargs), device, step)
+            try:
+                peak, seconds = peakcheck.measure_step(self.model, (args, kwargs), device, step)
+            except peakcheck.StepOutOfMemory as e:  # above the limit, however little it had allocated
+                log.warning("the compiled step ran out of device memory while measured (%s)", e)
+                target = plan.mem_limit - margin.of(plan.mem_limit)
+                return max(e.peak_bytes + plan.graph.resident_bytes, target + 1), 0.0
             return peak + plan.graph.resident_bytes, seconds
 
         margin = self.options.margin_for(device)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ from .plan import Plan
 from .planners import Planner
 from .scratch import cpu_allocator_events, running_peak
 from .timing import ProfileOptions, thread_clock, wall_clock
+from .units import parse_bytes
 
 log = logging.getLogger("fxpooch.peakcheck")
 
@@ -118,15 +120,35 @@ class AllocatorMeter:
         return running_peak(cpu_allocator_events([e for e in events if cut is None or e.start_ns <= cut]))[0]
 
 
+class StepOutOfMemory(Exception):
+    """A measured step ran out of device memory: ``peak_bytes`` is what the allocator held at most
+    before the failing allocation, above the start, plus the bytes that allocation asked for."""
+
+    def __init__(self, peak_bytes: int, message: str):
+        super().__init__(message)
+        self.peak_bytes = peak_bytes
+
+
+#: the size in torch's out-of-memory message ("Tried to allocate 230.00 MiB")
+_ASKED = re.compile(r"Tried to allocate ([0-9.]+ ?[KMGT]?i?B)")
+
+
 def allocator_peak(device: torch.device, run: Callable[[], object]) -> int:
     """Bytes the allocator of ``device`` held at most while ``run()`` ran, above what it held before
-    (:class:`AllocatorMeter`)."""
+    (:class:`AllocatorMeter`). Raises :class:`StepOutOfMemory` where ``run()`` ran out of memory
+    (under a per-process cap, a step can fail before its allocated bytes reach the limit)."""
     meter = AllocatorMeter(device)
     meter.start()
+    failed = None
     try:
         run()
+    except torch.OutOfMemoryError as e:  # handled outside: the traceback would keep the step's tensors
+        failed = " ".join(str(e).split())
     finally:
         peak = meter.stop()
+    if failed is not None:
+        asked = _ASKED.search(failed)
+        raise StepOutOfMemory(peak + (parse_bytes(asked[1].replace(" ", "")) if asked else 0), failed[:300])
     return peak
 
 
@@ -184,8 +206,17 @@ def measure_step(model: nn.Module, inputs: object, device: torch.device, step: C
 
 def calibrated(plan: Plan, seconds: float, *, planner: str | Planner, margin: Margin) -> Plan:
     """``plan``'s step planned again with every op's time scaled by ``seconds`` (its compiled step,
-    measured) over its predicted time, so that its predicted time is what the compiled code takes."""
+    measured) over its predicted time, so that its predicted time is what the compiled code takes;
+    ``plan`` itself when the step took longer than predicted.
+
+    Only downwards: a compiled step faster than its op-by-op profile ran fused kernels (inductor) or
+    without the launch gaps of ops timed alone. A slower one waited for what its ops' times do not
+    hold (on an H100 under a memory cap, GPT-2's step measured 1.22 times its prediction, with 25
+    allocator synchronizations a step): slower ops would hide copies behind compute that is not there."""
     factor = seconds / plan.step_time
+    if factor >= 1:
+        log.info("the compiled step took %.4g s, predicted %.4g s: op times kept", seconds, plan.step_time)
+        return plan
     profile = plan.profile.scaled(factor, "the compiled step's measured time")
     timed = dataclasses.replace(plan, profile=profile, in_core_time=plan.in_core_time * factor)
     log.info("the compiled step took %.4g s, predicted %.4g s: op times scaled by %.3g", seconds,
@@ -240,7 +271,7 @@ def fitting(plan: Plan, *, rounds: int, planner: str | Planner, margin: Margin,
         found = Measured(plan, *(yield plan))
         log.info("round %d: the compiled step measured %d bytes, planned %d, limit %d (less the margin: %d)",
                  round_, found.peak_bytes, plan.peak_bytes, limit, target)
-        if calibrate and plan.step_time > 0:
+        if calibrate and plan.step_time > 0 and found.seconds > 0:  # no seconds: the step did not run through
             calibrate = False
             plan = calibrated(plan, found.seconds, planner=planner, margin=Margin(margin.share, margin.nbytes))
             if plan.schedule != found.plan.schedule:  # other decisions on these costs: compile and measure them

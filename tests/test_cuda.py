@@ -81,9 +81,9 @@ def device_memory() -> int:
 
 
 def compile_cuda(model: torch.nn.Module, x: torch.Tensor, limit: int, planner: str = "pooch",
-                 profile: str | fxpooch.Profile = "analytic") -> fxpooch.CompiledModule:
+                 profile: str | fxpooch.Profile = "analytic", **options) -> fxpooch.CompiledModule:
     hardware = HARDWARE if isinstance(profile, str) and profile == "analytic" else None
-    return fxpooch.compile(model, x, limit, planner=planner, profile=profile, hardware=hardware)
+    return fxpooch.compile(model, x, limit, planner=planner, profile=profile, hardware=hardware, **options)
 
 
 def floor_and_in_core(model: torch.nn.Module, x: torch.Tensor, profile: str | fxpooch.Profile = "analytic"
@@ -122,7 +122,9 @@ def test_gradients_match_eager_with_delayed_copies(name: str, which: str, delaye
     floor, in_core = _limits[name]
     limit = {"in_core": in_core, "middle": (floor + in_core) // 2, "floor": floor, "swap-all": device_memory()}[which]
     eager = copy.deepcopy(model)
-    cm = compile_cuda(model, x, limit, planner="swap-all" if which == "swap-all" else "pooch")
+    # the plans as made at these limits: the compiled step's measured peak (cuBLAS and cuDNN workspaces
+    # the analytic costs lack) would make the check plan the floor limits again; this test is about streams
+    cm = compile_cuda(model, x, limit, planner="swap-all" if which == "swap-all" else "pooch", peak_check_rounds=0)
     counts = cm.plan.counts()
     assert cm.plan.peak_bytes <= limit
     if which in ("middle", "floor"):
@@ -165,6 +167,7 @@ def test_copies_are_queued_not_waited_for():
     rt = runtime.Runtime()
     x = torch.randn(1 << 24, device="cuda")  # 64 MiB
     expected = x.cpu()
+    rt.wait(rt.prefetch(rt.offload(x, 0), x.device, 0), 0)  # the pool's pinned block, made (and timed) before
     torch.cuda.synchronize()
     compat.cuda_sleep(50 * SLEEP_CYCLES)  # ~25 ms on the compute stream
     host = rt.offload(x, 0)
@@ -273,9 +276,9 @@ def test_pool_bounded_at_the_plans_host_bytes_without_host_syncs():
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
     assert 0 < cm.host_pool_bytes <= probe.plan.host_bytes
-    small = fxpooch.compile(model, x, device_memory(), planner="swap-all", profile="analytic", hardware=HARDWARE,
-                            host_pool_limit=probe.plan.host_bytes // 2)
-    with pytest.raises(HostPoolExhausted):
+    with pytest.raises(HostPoolExhausted):  # in compile's measured step, or else in the first step
+        small = fxpooch.compile(model, x, device_memory(), planner="swap-all", profile="analytic", hardware=HARDWARE,
+                                host_pool_limit=probe.plan.host_bytes // 2)
         step(small, model, x)
 
 
@@ -298,7 +301,7 @@ def test_step_over_a_memory_cap_compiles_and_runs_under_it():
         assert cm.plan.profile.source == "cuda-events per-node"
         table = cm._current.table
         assert len(cm.plan.profile.op_times) == sum(n.op == "call_function" for n in table.nodes)
-        assert cm.plan.margin_bytes == Margin.default_for("cuda").of(limit)
+        assert cm.plan.margin_bytes >= Margin.default_for("cuda").of(limit)  # more where its measured step took more
         assert cm.plan.peak_bytes <= limit - cm.plan.margin_bytes
         torch.manual_seed(0)
         out = step(cm, model, x)

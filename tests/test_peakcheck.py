@@ -11,7 +11,8 @@ import torch.nn as nn
 
 import fxpooch
 from fxpooch.memory import Margin
-from fxpooch.peakcheck import fit_measured
+from fxpooch import peakcheck
+from fxpooch.peakcheck import StepOutOfMemory, allocator_peak, fit_measured
 from memprofile import step_peak
 
 MiB = 2**20
@@ -151,6 +152,52 @@ def test_the_measured_step_time_scales_the_costs():
     assert found.plan.step_time == pytest.approx(plan.step_time / 4)
     assert found.plan.in_core_time == pytest.approx(plan.in_core_time / 4)
     assert "measured time" in found.plan.profile.source
+
+
+def test_a_step_slower_than_predicted_keeps_the_costs():
+    """Slower than its prediction, a step waited for what the costs do not hold (an allocator's
+    synchronizations, a late link): its ops are not made slower."""
+    plan = _plan_of_mlp(2**40)
+    found = fit_measured(plan, lambda p: (p.peak_bytes, p.step_time * 1.5), rounds=0, planner="local", margin=Margin())
+    assert found.plan is plan and found.seconds == pytest.approx(plan.step_time * 1.5)
+
+
+def test_a_step_out_of_memory_measures_what_it_held_and_asked_for():
+    def run():
+        held = torch.empty(MiB // 4)  # 1 MiB
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB. GPU 0 has ...")
+
+    with pytest.raises(StepOutOfMemory) as e:
+        allocator_peak(torch.device("cpu"), run)
+    assert e.value.peak_bytes == 3 * MiB and "Tried to allocate 2.00 MiB" in str(e.value)
+
+
+def test_a_step_out_of_memory_while_checked_is_planned_again_below_the_limit(monkeypatch):
+    """Under a per-process cap a step can run out of memory before its allocated bytes reach the
+    limit (fragmentation): the check takes it as over the limit, plans again with what it held and
+    asked for kept free, and does not scale the costs by a step that did not run through."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(512, 512), nn.Tanh())])
+    x, limit = torch.randn(1024, 512), 21 * MiB + MiB // 2  # the in-core plan fits (21.01 MiB)
+    eager = copy.deepcopy(model)
+    monkeypatch.setattr(fxpooch.CompileOptions, "checks_peak", lambda self, device: True)  # fx on a CPU too
+    measured, real = [], peakcheck.measure_step
+
+    def measure_step(*args):
+        measured.append(len(measured))
+        if len(measured) == 1:
+            raise StepOutOfMemory(20 * MiB, "CUDA out of memory. Tried to allocate 1.00 MiB.")
+        return real(*args)
+
+    monkeypatch.setattr(peakcheck, "measure_step", measure_step)
+    cm = fxpooch.compile(model, x, limit, hardware="v100-pcie3")
+    assert len(measured) == 2
+    assert cm.plan.peak_bytes < cm.plan.graph.resident_bytes + 20 * MiB and cm.plan.margin_bytes > 0
+    assert cm.plan.counts()["keep"] < len(cm.plan.decisions) and "measured time" not in cm.plan.profile.source
+    cm(x).sum().backward()
+    eager(x).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
 
 
 def test_peak_check_rounds_is_checked():
