@@ -40,8 +40,10 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[tuple[int, list[dict]]]]:
 
 
 def where(frames: list[dict]) -> str:
-    """The innermost frames outside torch's own Python files."""
-    mine = [f for f in frames if "/torch/" not in f.get("filename", "") or "fxpooch" in f.get("filename", "")]
+    """The innermost Python frames outside torch's own files (a generated graph's code, fxpooch, the
+    model); the C++ frames the history also records come first and say less."""
+    python = [f for f in frames if f.get("filename", "").endswith(".py") or f.get("filename", "").startswith("<eval")]
+    mine = [f for f in python if "/torch/" not in f["filename"] or "fxpooch" in f["filename"]] or python
     return " < ".join(f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in mine[:3]) or "(no frames)"
 
 
@@ -72,7 +74,7 @@ def main() -> int:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
+        torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
         step()
         torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
