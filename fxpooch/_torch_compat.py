@@ -44,7 +44,9 @@ def aot_backend(fw_compiler: Callable, bw_compiler: Callable, partition_fn: Call
 
 
 def inductor_decompositions() -> dict:
-    """The decompositions inductor has AOTAutograd apply, so a captured graph is one inductor can lower."""
+    """The decompositions inductor has AOTAutograd apply, so a captured graph is one inductor can lower
+    (a dropout becomes ``rand_like(x) > p`` and products: its mask is not eager's for the same seed,
+    as under ``torch.compile``)."""
     import torch._inductor.lowering  # noqa: F401  (some decompositions consult inductor's lowerings)
     from torch._inductor.decomposition import select_decomp_table
 
@@ -83,12 +85,15 @@ def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], is_backward:
     # A buffer inductor frees early and hands to a later kernel stays allocated in between, where the
     # plan has it freed: no reuse. On CUDA an offload's copy may still read its input after the call
     # returns (a side stream), so no kernel may write its output into an input's memory either; on
-    # CPU the copy is done when the call returns.
+    # CPU the copy is done when the call returns. A random op (a dropout's ``rand_like``) is called as
+    # eager calls it (``fallback_random``), on the default generator: torch.compile rewrites such ops
+    # in passes this compile does not run, and inductor cannot lower them otherwise.
     on_cuda = any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
     # inductor's graph cache keys on neither the fusion rule nor which outputs keep their strides
     tag = f"{torch.compiler.config.cache_key_tag}|fxpooch in-order fusion|fixed outputs {visible}"
     with (tracing(TracingContext(fake_mode)), TracingContext.report_output_strides() as strides,
-          config.patch(reorder_for_peak_memory=False, allow_buffer_reuse=False, inplace_buffers=not on_cuda),
+          config.patch(reorder_for_peak_memory=False, allow_buffer_reuse=False, inplace_buffers=not on_cuda,
+                       fallback_random=True),
           torch.compiler.config.patch(cache_key_tag=tag), V.set_choices_handler(_InOrderFusion())):
         compiled = compile_fx_inner(gm, example_inputs, is_backward=is_backward)
     if strides is None or len(strides) != len(outs):

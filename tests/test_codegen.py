@@ -217,3 +217,31 @@ def test_inductor_allocates_no_more_than_the_plan_where_it_fuses_around_copies()
         model.zero_grad(set_to_none=True)
         peaks.append(resident + step_peak(lambda: cm(ids).backward()))
     assert peaks[1] <= cm.plan.peak_bytes <= 28 * MiB, (peaks, cm.plan.peak_bytes)
+
+
+def test_inductor_compiles_dropout_and_a_recomputed_output_reuses_its_mask():
+    """A dropout compiles with inductor (its ``rand_like`` runs as eager runs it: inductor lowers no
+    random op outside torch.compile's own passes); recomputing what reads the dropout's output reuses
+    the saved mask, so with the same seed a plan that recomputes it and one that keeps everything
+    compute the same loss and gradients. (The masks are inductor's decomposition's, not eager's.)"""
+    from test_passes import FIXED, fixed
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(32, 64)
+    results = []
+    for decisions in ({}, {"relu": "recompute"}):
+        model = copy.deepcopy(m)
+        FIXED.clear()
+        FIXED.update(decisions)
+        cm = fxpooch.compile(model, x, "1GiB", planner=fixed, profile="analytic", hardware="v100-pcie3",
+                             codegen="inductor", peak_check_rounds=0)
+        assert cm.plan.counts()["recompute"] == len(decisions)
+        torch.manual_seed(1)
+        loss = cm(x).square().sum()
+        loss.backward()
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (kept_loss, kept), (re_loss, re) = results
+    torch.testing.assert_close(re_loss, kept_loss, rtol=0, atol=0)
+    for a, b in zip(re, kept):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
