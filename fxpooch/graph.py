@@ -7,7 +7,6 @@ reverse order, which is how autograd runs a chain of dynamo graphs.
 """
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import operator
@@ -21,7 +20,7 @@ from . import _torch_compat as compat
 from .capture import GraphPair
 from .opkind import is_kernel_free
 from .memory import MemoryModel
-from .recompute import recomputable, recompute_inputs
+from .recompute import recompute_inputs
 
 
 class Phase(str, enum.Enum):
@@ -58,7 +57,7 @@ class Op:
     recompute_args: tuple[int, ...]  # ops its recomputation reads (see fxpooch.recompute)
     allocs: tuple[int, ...]  # buffers this op creates
     kernel: bool  # launches device work (kernel-free ops: placeholders, views, getitem)
-    recomputable: bool  # safe to run again in the backward (fxpooch.recompute.recomputable)
+    recomputable: bool  # safe to run again in the backward (not random, not mutating)
 
 
 @dataclass(frozen=True)
@@ -234,7 +233,6 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
     buffers: list[Buffer] = []
     buffer_of: list[tuple[int, ...]] = []
     producer: dict[int, int] = {}  # buffer -> op that allocates it
-    later: list[tuple[int, list[fx.Node]]] = []  # ops whose recomputation reads a node added after them
     activations: list[Activation] = []
     saved: set[int] = set()
     fw_range: list[tuple[int, int]] = []
@@ -263,16 +261,15 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                 allocated_on.setdefault(k, []).append(key_to_buf[k])
             spans.append(key_to_buf[k])
         args = tuple(dict.fromkeys(op_of[a] for a in node.all_input_nodes))
-        reads = recompute_inputs(node)
-        recompute_args = tuple(dict.fromkeys(op_of[a] for a in reads if a in op_of))
-        if len(recompute_args) < len(dict.fromkeys(reads)):  # a later node (dropout's mask): once it is added
-            later.append((len(ops), reads))
+        recompute_args = tuple(dict.fromkeys(op_of[a] for a in recompute_inputs(node)))
         target = node.target
         kernel = node.op == "call_function" and not is_kernel_free(node)
+        recomputable = node.op == "call_function" and not (
+            compat.is_random_op(target) or compat.is_mutating_op(target))
         op_of[node] = len(ops)
         nodes.append(node)
         ops.append(Op(node.name, _target_name(node), g, phase, args, recompute_args, tuple(allocs), kernel,
-                      recomputable(node)))
+                      recomputable))
         buffer_of.append(tuple(dict.fromkeys(spans)))
 
     for g, pair in enumerate(pairs):
@@ -286,9 +283,6 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                 continue
             kind = BufferKind.RESIDENT if node.op == "placeholder" else BufferKind.TEMP
             add_op(node, g, Phase.FORWARD, key_to_buf, kind)
-        for i, reads in later:
-            ops[i] = dataclasses.replace(ops[i], recompute_args=tuple(dict.fromkeys(op_of[a] for a in reads)))
-        later.clear()
         fw_range.append((start, len(ops)))
         # user outputs live until the step ends; dropped ones until the forward returns, unless the
         # backward reads them too (then autograd holds them: counted to the end, as held ones) or they

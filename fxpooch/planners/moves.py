@@ -105,8 +105,7 @@ def followups(ev: Evaluator, best: Candidate, order: list[int], stop_at: int) ->
 
     Swapping a 1 MiB clone that ``local`` recomputed costs time alone, but the chain through it no
     longer runs, and the dropout mask two links away can then stay on the device instead of being
-    swapped (test:transformer_block at its floor over PCIe3, its dropout drawn only in the forward:
-    1.398x -> 1.338x, the optimum)."""
+    swapped (test:transformer_block at its floor over PCIe3: 1.398x -> 1.338x, the optimum)."""
     acts = ev.graph.activations
     inputs, readers = chain_readers(ev)
     links = [set(inputs[a]) | readers.get(a, set()) for a in range(len(acts))]
