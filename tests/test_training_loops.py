@@ -276,7 +276,7 @@ def limits(name: str, device: str = "cpu") -> tuple[int, int]:
             get_planner(plan.planner)(Problem(plan.graph, plan.profile.costs(plan.graph), 1))
         margin = Margin.default_for(device)
         in_core, floor = margin.limit_for(plan.in_core_peak_bytes), margin.limit_for(info.value.min_feasible_bytes)
-        if device == "cuda":  # compile measures the step there: what the plans lack (cuBLAS and cuDNN workspaces)
+        if device == "cuda":  # compile measures the step there, and finds what the plan does not count
             try:
                 fxpooch.compile(WithLoss(model), args[0] if isinstance(args[0], dict) else args, floor, **ANALYTIC)
             except fxpooch.InfeasibleMemoryLimit as e:  # the limit the error names is the one to use,
