@@ -7,6 +7,7 @@ reverse order, which is how autograd runs a chain of dynamo graphs.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import operator
@@ -20,7 +21,7 @@ from . import _torch_compat as compat
 from .capture import GraphPair
 from .opkind import is_kernel_free
 from .memory import MemoryModel
-from .recompute import recompute_inputs
+from .recompute import recomputable, recompute_inputs
 
 
 class Phase(str, enum.Enum):
@@ -57,7 +58,10 @@ class Op:
     recompute_args: tuple[int, ...]  # ops its recomputation reads (see fxpooch.recompute)
     allocs: tuple[int, ...]  # buffers this op creates
     kernel: bool  # launches device work (kernel-free ops: placeholders, views, getitem)
-    recomputable: bool  # safe to run again in the backward (not random, not mutating)
+    recomputable: bool  # safe to run again in the backward (fxpooch.recompute.recomputable)
+    #: its value depends on an input the backward differentiates (a parameter): False for a
+    #: causal mask or position ids made from the inputs' shapes, which no gradient flows through
+    differentiable: bool = True
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,16 @@ def _is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def differentiated_inputs(pair: GraphPair) -> set[fx.Node]:
+    """The forward's placeholders that its backward returns a gradient for (AOTAutograd's backward
+    returns one per forward input, in order); every placeholder where the layout is not that."""
+    primals = pair.forward.graph.find_nodes(op="placeholder")
+    grads = pair.backward.graph.output_node().args[0]
+    if len(grads) != len(primals):
+        return set(primals)
+    return {p for p, grad in zip(primals, grads) if grad is not None}
+
+
 def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_bytes: int, *,
                      outputs_held: bool = True, gradients_reduced: bool = False) -> tuple[StepGraph, NodeTable]:
     """The framework-free step of ``pairs``. ``outputs_held``: the caller holds the model's outputs
@@ -233,6 +247,7 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
     buffers: list[Buffer] = []
     buffer_of: list[tuple[int, ...]] = []
     producer: dict[int, int] = {}  # buffer -> op that allocates it
+    later: list[tuple[int, list[fx.Node]]] = []  # ops whose recomputation reads a node added after them
     activations: list[Activation] = []
     saved: set[int] = set()
     fw_range: list[tuple[int, int]] = []
@@ -240,7 +255,8 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
     keys: list[dict[int, int]] = []  # per pair: storage key -> buffer id
     allocated_on: dict[int, list[int]] = {}  # storage key -> every buffer allocated on it
 
-    def add_op(node: fx.Node, g: int, phase: Phase, key_to_buf: dict[int, int], kind: BufferKind) -> None:
+    def add_op(node: fx.Node, g: int, phase: Phase, key_to_buf: dict[int, int], kind: BufferKind,
+               differentiable: bool = True) -> None:
         allocs, spans = [], []
         for v in _vals(node):
             k = compat.storage_key(v)
@@ -261,15 +277,15 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                 allocated_on.setdefault(k, []).append(key_to_buf[k])
             spans.append(key_to_buf[k])
         args = tuple(dict.fromkeys(op_of[a] for a in node.all_input_nodes))
-        recompute_args = tuple(dict.fromkeys(op_of[a] for a in recompute_inputs(node)))
-        target = node.target
+        reads = recompute_inputs(node)
+        recompute_args = tuple(dict.fromkeys(op_of[a] for a in reads if a in op_of))
+        if len(recompute_args) < len(dict.fromkeys(reads)):  # a later node (dropout's mask): once it is added
+            later.append((len(ops), reads))
         kernel = node.op == "call_function" and not is_kernel_free(node)
-        recomputable = node.op == "call_function" and not (
-            compat.is_random_op(target) or compat.is_mutating_op(target))
         op_of[node] = len(ops)
         nodes.append(node)
         ops.append(Op(node.name, _target_name(node), g, phase, args, recompute_args, tuple(allocs), kernel,
-                      recomputable))
+                      recomputable(node), differentiable))
         buffer_of.append(tuple(dict.fromkeys(spans)))
 
     for g, pair in enumerate(pairs):
@@ -278,11 +294,17 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
         out_node = pair.forward.graph.output_node()
         user_outputs = [n for n in out_node.args[0][: pair.num_user_outputs] if isinstance(n, fx.Node)]
         start = len(ops)
+        differentiated = differentiated_inputs(pair)
         for node in pair.forward.graph.nodes:
             if node.op == "output":
                 continue
             kind = BufferKind.RESIDENT if node.op == "placeholder" else BufferKind.TEMP
-            add_op(node, g, Phase.FORWARD, key_to_buf, kind)
+            diff = node in differentiated if node.op == "placeholder" else \
+                any(ops[op_of[a]].differentiable for a in node.all_input_nodes)
+            add_op(node, g, Phase.FORWARD, key_to_buf, kind, diff)
+        for i, reads in later:
+            ops[i] = dataclasses.replace(ops[i], recompute_args=tuple(dict.fromkeys(op_of[a] for a in reads)))
+        later.clear()
         fw_range.append((start, len(ops)))
         # user outputs live until the step ends; dropped ones until the forward returns, unless the
         # backward reads them too (then autograd holds them: counted to the end, as held ones) or they

@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from fxpooch.graph import NodeTable, StepGraph
-from fxpooch.recompute import recompute_call
+from fxpooch.recompute import recompute_call, recomputed_val
 from fxpooch.schedule import Kind, Schedule
 
 from .meta import META_KEY
@@ -85,7 +85,7 @@ def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTa
 
             target, args, kwargs = recompute_call(node, lookup)
             r = new.create_node("call_function", target, args, kwargs, name=f"re_{node.name}")
-            r.meta = dict(node.meta)
+            r.meta = {**node.meta, "val": recomputed_val(node)}
             r.meta[META_KEY] = {"activation": act.name, "decision": "recompute", "recomputes": node.name}
             local[ins.op] = r
             for c in schedule.materialises[ins.act]:  # the activations this segment rebuilds

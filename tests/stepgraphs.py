@@ -12,7 +12,7 @@ from zoo import MiB
 from fxpooch.graph import Activation, Buffer, BufferKind, Op, Phase, StepGraph
 from fxpooch.types import Costs
 
-__all__ = ["MiB", "RELU", "RELU_BW", "CONV", "CONV_BW", "build", "chain"]
+__all__ = ["MiB", "RELU", "RELU_BW", "CONV", "CONV_BW", "build", "chain", "dropout_drawn_only"]
 
 RELU, RELU_BW = "aten.relu.default", "aten.threshold_backward.default"
 CONV, CONV_BW = "aten.convolution.default", "aten.convolution_backward.default"
@@ -88,3 +88,16 @@ def chain(fw: Sequence[float], bw: Sequence[float], mib: Sequence[int], xfer: Se
     back_target = {RELU: RELU_BW, CONV: CONV_BW}
     backward = [(f"g{i + 1}", [f"a{i + 1}"], bw[n - 1 - i], back_target[targets[i]]) for i in reversed(range(n))]
     return build(forward, backward, {f"a{i + 1}": xfer[i] for i in range(n)})
+
+
+DROPOUT = "aten.native_dropout.default"
+
+
+def dropout_drawn_only(graph: StepGraph) -> StepGraph:
+    """``graph`` with its dropouts not recomputable, as fxpooch built graphs before it rebuilt a
+    dropout's output from its saved mask (``fxpooch.recompute``): the recomputation reads the op's
+    own arguments. Scenario tests whose plans were found on such graphs pin them with it."""
+    ops = tuple(dataclasses.replace(op, recomputable=False, recompute_args=op.args) if op.target == DROPOUT else op
+                for op in graph.ops)
+    return dataclasses.replace(graph, ops=ops)
+

@@ -149,17 +149,31 @@ def test_recompute_placed_before_first_use_not_at_backward_start():
     assert names.index("re_addmm_1") > names.index("mm")  # ... and starts after earlier backward work
 
 
-def test_random_ops_are_not_recomputed():
+def test_dropout_is_recomputed_from_its_mask_which_is_never_drawn_again():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 8))
+    eager, x = copy.deepcopy(m), torch.randn(4, 8)
     FIXED.clear()
-    cm = fxpooch.compile(m, torch.randn(4, 8), "1GiB", planner=fixed, profile="analytic",
-                         hardware="v100-pcie3")
+    FIXED.update(relu="recompute")
+    cm = fxpooch.compile(m, x, "1GiB", planner=fixed, profile="analytic", hardware="v100-pcie3")
     ev = Evaluator(fxpooch.planners.Problem(cm.plan.graph, cm.plan.profile.costs(cm.plan.graph), 2**40))
     recomputable = {a.name: ev.can_recompute(i, ev.all_keep()) for i, a in enumerate(cm.plan.graph.activations)}
-    # the mask comes from the random op; relu would need the dropout output, which is not saved,
-    # so recomputing it would draw a new mask: neither is recomputable
-    assert recomputable == {"getitem_1": False, "relu": False}
+    # the mask is the random draw: never recomputed; relu is, through the dropout rebuilt from the saved mask
+    assert recomputable == {"getitem_1": False, "relu": True}
+    chain = [line.strip() for line in code(cm.backward_graphs[0]).splitlines() if line.strip().startswith("re_")]
+    assert chain == [
+        "re_t = torch.ops.aten.t.default(primals_1);  primals_1 = None",
+        "re_addmm = torch.ops.aten.addmm.default(primals_2, primals_3, re_t);  primals_2 = re_t = None",
+        "re_native_dropout = torch.ops.aten.native_dropout_backward.default(re_addmm, getitem_1, 2.0);  re_addmm = None",
+        "re_getitem = torch.ops.aten.alias.default(re_native_dropout);  re_native_dropout = None",
+        "re_relu = torch.ops.aten.relu.default(re_getitem);  re_getitem = None",
+        "re_detach = torch.ops.aten.detach.default(re_relu)",
+    ]
+    for module in (cm, eager):  # the same draws: the masks agree
+        torch.manual_seed(1)
+        module(x).square().sum().backward()
+    for p, q in zip(m.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
 def test_rewritten_graphs_print_readably():

@@ -13,6 +13,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 from fxpooch.errors import InfeasibleMemoryLimit
 from fxpooch.graph import StepGraph
@@ -265,6 +266,35 @@ def test_checkpoint_segments_end_at_block_outputs():
     decisions = checkpoint_decisions(Evaluator(prob))
     assert {a for a, d in enumerate(decisions) if d is K} <= ends
     assert Evaluator(prob).evaluate(decisions, share=True).schedule.shared  # a block rebuilt once
+
+
+class _MaskedBlocks(torch.nn.Module):
+    """Residual blocks that all read one mask made from the input's shape, as HF GPT-2's layers
+    read the causal mask its model builds once."""
+
+    def __init__(self, n: int = 3, width: int = 512):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x):
+        odd = torch.arange(x.shape[-1], device=x.device) % 2 == 1  # no gradient flows through it
+        for layer in self.layers:
+            x = x + torch.relu(layer(x)).masked_fill(odd, 0.0)
+        return x.sum()
+
+
+def test_a_mask_every_block_reads_does_not_hide_the_block_outputs():
+    """The mask is live across every block, but no gradient flows through it (``Op.differentiable``)
+    and a chain rebuilds it from the input's shape: each block's output still ends a segment (the
+    first block's ReLU too: nothing made before it is read after it, the input is resident). Were
+    the mask counted, none would; the mask itself, a saved activation, ends none."""
+    import fxpooch
+    plan = fxpooch.plan(_MaskedBlocks(), torch.randn(512, 512), "1TiB", planner="in-core", profile="analytic")
+    graph = plan.graph
+    constant = {op.target for op in graph.ops if op.phase.value == "forward" and not op.differentiable}
+    assert {"aten.arange.default", "aten.remainder.Scalar", "aten.eq.Scalar"} <= constant
+    assert {"aten.addmm.default", "aten.relu.default", "aten.add.Tensor"}.isdisjoint(constant)
+    assert sorted(graph.activations[a].name for a in separators(graph)) == ["add", "add_1", "detach"]
 
 
 def test_checkpoint_infeasible_below_checkpoint_all():

@@ -104,11 +104,13 @@ def test_split_seed_is_the_fastest_split_plan_that_fits():
     assert got.step_time == pytest.approx(min(c.step_time for c in repaired))
 
 
-@pytest.mark.parametrize("name", ["transformer_block", "cnn_bn"])
-def test_local_is_never_slower_than_the_split_seed(name):
+@pytest.mark.parametrize("name, point", [("transformer_block", 0.05), ("cnn_bn", 0.0)])
+def test_local_is_never_slower_than_the_split_seed(name, point):
     """With the exact search off (``max_exact=0``) the split plans take part on any graph:
-    ``local``'s plan fits and is at least as fast as the fastest of them (one fits at both floors)."""
-    prob = problem(name, 0.0)
+    ``local``'s plan fits and is at least as fast as the fastest of them (one fits at cnn_bn's floor
+    and 5% of the way from the block's floor to its in-core peak; at the block's floor, lowered since
+    its dropout outputs are recomputed from their masks, none does)."""
+    prob = problem(name, point)
     options = SearchOptions(max_exact=0)
     seed = split_seed(Evaluator(prob), options.splits, stop_at=10_000)
     plan = plan_local(prob, options)

@@ -217,8 +217,10 @@ def superneurons(problem: Problem) -> Candidate:
 
 def separators(graph: StepGraph) -> set[int]:
     """Activations that alone carry the forward past their last member: no other forward value
-    made before it is read after it (a residual block's output, not a value inside the block).
-    A recompute chain that starts after a kept separator never runs an op before it."""
+    made before it is read after it (a residual block's output, not a value inside the block),
+    but values no gradient flows through (``Op.differentiable`` False: HF GPT-2's causal mask, made
+    once from the inputs' shapes and read by every layer). A recompute chain that starts after a
+    kept separator runs no op before it but those. Such values are no separators themselves."""
     forward = [o for start, stop in graph.forward_range for o in range(start, stop)]
     position = {o: i for i, o in enumerate(forward)}
     born: dict[int, int] = {}
@@ -235,10 +237,12 @@ def separators(graph: StepGraph) -> set[int]:
     out, live = set(), set()
     at = {max(act.members): a for a, act in enumerate(graph.activations)}
     for i, o in enumerate(forward):
-        live.update(b for b in graph.dynamic_allocs[o] if last.get(b, -1) > i)
+        if graph.ops[o].differentiable:
+            live.update(b for b in graph.dynamic_allocs[o] if last.get(b, -1) > i)
         live.difference_update(ends.get(i, ()))
         a = at.get(o)
-        if a is not None and live <= {graph.activations[a].buffer} and position[o] == i:
+        if (a is not None and live <= {graph.activations[a].buffer} and position[o] == i
+                and graph.ops[o].differentiable):
             out.add(a)
     return out
 

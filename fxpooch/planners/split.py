@@ -16,22 +16,25 @@ descent from the fastest of them where that beats PoocH's plan and the reference
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ..schedule import Decision, Kind
 from ..simulator import static_memory
+from .baselines import separators
 from .common import Candidate, Evaluator, instances_at_peak
 
 log = logging.getLogger("fxpooch.planner.split")
 
 
-def split_plan(ev: Evaluator, fraction: float) -> tuple[Decision, ...]:
+def split_plan(ev: Evaluator, fraction: float, ends: Collection[int] = ()) -> tuple[Decision, ...]:
     """The first ``fraction`` of the activations, in the order the forward makes them, swapped
     (kept where they cannot be), the others recomputed (swapped where they cannot be, as
-    ``Evaluator.all_recompute`` does)."""
+    ``Evaluator.all_recompute`` does) but those in ``ends`` (block outputs,
+    :func:`~.baselines.separators`), swapped too: each chain then stops at the block before it
+    instead of running back to the first swapped activation."""
     acts = ev.graph.activations
     order = sorted(range(len(acts)), key=lambda a: (acts[a].producer, a))
-    early = set(order[:int(fraction * len(order))])
+    early = set(order[:int(fraction * len(order))]) | set(ends)
     swap, recompute = ev.all_swap(), ev.all_recompute()
     return tuple(swap[a] if a in early else recompute[a] for a in range(len(acts)))
 
@@ -104,9 +107,10 @@ def split_seed(ev: Evaluator, fractions: Sequence[float], stop_at: int) -> Candi
     (:func:`fit_by_peak`, each within an equal share of the simulations left before ``stop_at``);
     None when none fits."""
     best = None
+    ends = separators(ev.graph)
     for i, fraction in enumerate(fractions):
         share = (stop_at - ev.simulations) // (len(fractions) - i)
-        start = ev.evaluate(split_plan(ev, fraction), share=True)  # shared only; the repair tries both
+        start = ev.evaluate(split_plan(ev, fraction, ends), share=True)  # shared only; the repair tries both
         c = None if start is None else fit_by_peak(ev, start, ev.simulations + share)
         log.debug("split at %.3g of the forward: %s", fraction, "no fit" if c is None else f"{c.step_time:.4g} s")
         if c is not None and (best is None or c.step_time < best.step_time):
