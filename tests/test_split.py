@@ -9,6 +9,7 @@ import pytest
 
 from fxpooch.planners.common import Evaluator, Problem, Unjudged
 from fxpooch.planners.search import SearchOptions, plan_local
+from fxpooch.planners.baselines import separators
 from fxpooch.planners.split import fit_by_peak, peak_candidates, overage, program_peak, split_plan, split_seed
 from fxpooch.schedule import Decision, build_schedule
 from fxpooch.simulator import static_memory
@@ -32,6 +33,15 @@ def _chain(limit_mib: int) -> Evaluator:
 ])
 def test_split_plan_swaps_the_first_fraction_and_recomputes_the_rest(fraction, expected):
     assert split_plan(_chain(13), fraction) == expected
+
+
+def test_split_plan_swaps_the_block_outputs_it_is_given():
+    """Each chain then stops at the block output before it: on this chain, where every activation
+    is one, a4's chain is f4 alone (op 4; op 0 is the input) instead of f2, f3 and f4."""
+    ev = _chain(13)
+    assert split_plan(ev, 0.25, ends={2}) == (S, R, S, R)
+    assert ev.evaluate(split_plan(ev, 0.25)).schedule.chains[3] == (2, 3, 4)
+    assert ev.evaluate(split_plan(ev, 0.25, ends={2})).schedule.chains == {1: (2,), 3: (4,)}
 
 
 def test_split_plan_keeps_what_cannot_be_swapped():
@@ -97,7 +107,7 @@ def test_split_seed_is_the_fastest_split_plan_that_fits():
     repaired = []
     for f in fractions:
         ev = _chain(7)
-        repaired.append(fit_by_peak(ev, ev.evaluate(split_plan(ev, f)), 10_000))
+        repaired.append(fit_by_peak(ev, ev.evaluate(split_plan(ev, f, separators(ev.graph))), 10_000))
     assert all(c is not None and c.fits for c in repaired)
     got = split_seed(_chain(7), fractions, stop_at=10_000)
     assert got is not None and got.fits
