@@ -105,22 +105,15 @@ def previous_convolution(graph: StepGraph, use: int, g: int) -> int:
     return graph.backward_range[g][0] if found is None else found
 
 
-def recompute_where_possible(ev: Evaluator, decisions: list[Decision], targets: Sequence[int],
+def recompute_where_possible(ev: Evaluator, decisions: Sequence[Decision], targets: Sequence[int],
                              otherwise: Callable[[int], Decision]) -> list[Decision]:
-    """Mark ``targets`` RECOMPUTE, then demote (to ``otherwise(a)``) those whose chain fails, until stable.
-
-    Demoting an activation only shortens other chains, so the loop ends.
-    """
+    """``decisions`` (keep or swap) with ``targets`` recomputed where that is realisable
+    (``Evaluator.recomputable_alone``: then also with the other targets recomputed), else
+    ``otherwise(a)``."""
+    assert Decision.RECOMPUTE not in decisions, "recompute_where_possible starts from keep and swap decisions"
     out = list(decisions)
     for a in targets:
-        out[a] = Decision.RECOMPUTE
-    changed = True
-    while changed:
-        changed = False
-        for a in targets:
-            if out[a] is Decision.RECOMPUTE and not ev.can_recompute(a, out):
-                out[a] = otherwise(a)
-                changed = True
+        out[a] = Decision.RECOMPUTE if ev.recomputable_alone[a] else otherwise(a)
     return out
 
 
@@ -260,7 +253,7 @@ def checkpoint_decisions(ev: Evaluator, scale: float = 1.0) -> list[Decision]:
     graph = ev.graph
     keep_all = [Decision.KEEP] * len(graph.activations)
     order = sorted(range(len(keep_all)), key=lambda a: max(graph.activations[a].members))
-    recomputable = [a for a in order if ev.can_recompute(a, keep_all)]
+    recomputable = [a for a in order if ev.recomputable_alone[a]]
     n = len(recomputable)
     if n == 0:
         return keep_all

@@ -84,7 +84,7 @@ class BranchAndBound:
     def child_bound(self, decided: list[Decision | None]) -> float:
         """A bound on every completion of ``decided``; infinite when none can be realised or fit."""
         keep = [Decision.KEEP if d is None else d for d in decided]
-        if not all(self.ev.can_recompute(a, keep) for a, d in enumerate(decided) if d is Decision.RECOMPUTE):
+        if not all(self.ev.recomputable_alone[a] for a, d in enumerate(decided) if d is Decision.RECOMPUTE):
             return math.inf  # chains only grow as more is recomputed
         out = self.bounds.bound(decided)
         if out < math.inf and self.bounds.keep_completion_is_bound(decided):

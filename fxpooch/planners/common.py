@@ -252,19 +252,18 @@ class Evaluator:
     def all_swap(self) -> tuple[Decision, ...]:
         return tuple(Decision.SWAP if a.swappable else Decision.KEEP for a in self.graph.activations)
 
-    def all_recompute(self) -> tuple[Decision, ...]:
-        """Recompute wherever possible (each chain then starts from kept values), swap the rest.
+    @functools.cached_property
+    def recomputable_alone(self) -> tuple[bool, ...]:
+        """Per activation: whether its recompute chain is realisable with every other activation
+        available (its ops neither random nor mutating, no unsaved input). Where other activations
+        are recomputed too, the chain runs on through theirs: it is realisable iff those are, so a
+        set of recomputed activations is realisable iff each member is realisable alone."""
+        keep = self.all_keep()
+        return tuple(self.can_recompute(a, keep) for a in range(len(keep)))
 
-        Each activation is checked once: recomputing ``a`` as well extends another's chain only
-        by ``a``'s own chain, so if that one is realisable the others stay so.
-        """
-        fallback = self.all_swap()
-        decisions = list(fallback)
-        for a in range(len(decisions)):
-            decisions[a] = Decision.RECOMPUTE
-            if not self.can_recompute(a, decisions):
-                decisions[a] = fallback[a]
-        return tuple(decisions)
+    def all_recompute(self) -> tuple[Decision, ...]:
+        """Recompute wherever possible (each chain then starts from kept values), swap the rest."""
+        return tuple(Decision.RECOMPUTE if ok else d for ok, d in zip(self.recomputable_alone, self.all_swap()))
 
     def floor(self) -> Candidate:
         """The most memory-frugal of the reference plans (just-in-time prefetch).

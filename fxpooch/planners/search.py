@@ -184,8 +184,7 @@ def link_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], rebuild:
     acts = ev.graph.activations
     xfer = [act.transfer_bytes for act in acts]
     now_recomputed = [[a for a in p if best.decisions[a] is Decision.RECOMPUTE and acts[a].swappable] for p in parts]
-    recomputable = {a for a, d in enumerate(best.decisions)
-                    if d is Decision.SWAP and ev.can_recompute(a, best.decisions)}
+    recomputable = {a for a, d in enumerate(best.decisions) if d is Decision.SWAP and ev.recomputable_alone[a]}
     now_swapped = [[a for a in p if a in recomputable] for p in parts]
     sent = [sum(xfer[a] for a in p) for p in now_recomputed]  # what swapping those sends
     saved = [sum(rebuild[a] for a in p) for p in now_recomputed]  # and the chains it no longer runs
