@@ -414,3 +414,22 @@ def test_a_plan_over_the_limit_reads_as_if_simulated(fraction, monkeypatch):
             assert (c.schedule, c.timeline, c.fits, c.step_time) == (ref.schedule, ref.timeline, ref.fits, ref.step_time)
     assert unjudged > 10
     assert lazy.evaluations == eager.evaluations
+
+
+@pytest.mark.parametrize("name, not_alone", [("transformer_block", 2), ("cnn_bn", 0), ("resnet_small", 0)])
+def test_recomputed_activations_are_realisable_iff_each_is_alone(name, not_alone):
+    """``Evaluator.recomputable_alone``: every subset of the activations that can be recomputed
+    alone can be recomputed together (each chain runs on through the others'), and no other
+    activation can be, whatever else is recomputed (the block's two dropout masks, the draws)."""
+    import random
+    from test_search import problem
+    ev = Evaluator(problem(name, 0.5))
+    alone = ev.recomputable_alone
+    assert alone.count(False) == not_alone and ev.all_recompute() == tuple(R if ok else d for ok, d in zip(alone, ev.all_swap()))
+    rng = random.Random(0)
+    for _ in range(20):
+        decisions = [R if ok and rng.random() < 0.7 else K for ok in alone]
+        assert all(ev.can_recompute(a, decisions) for a, d in enumerate(decisions) if d is R)
+        decisions = [R if ok else K for ok in alone]
+        for a in (a for a, ok in enumerate(alone) if not ok):
+            assert not ev.can_recompute(a, [*decisions[:a], R, *decisions[a + 1:]])
