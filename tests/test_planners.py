@@ -433,3 +433,33 @@ def test_recomputed_activations_are_realisable_iff_each_is_alone(name, not_alone
         decisions = [R if ok else K for ok in alone]
         for a in (a for a, ok in enumerate(alone) if not ok):
             assert not ev.can_recompute(a, [*decisions[:a], R, *decisions[a + 1:]])
+
+
+@pytest.mark.parametrize("name", ["transformer_block", "resnet_small"])
+def test_an_unshared_schedule_is_not_built_where_the_forward_is_over_the_limit(name):
+    """``Evaluator.forward_may_fit`` reads the forward's program-order peak from the first
+    ``forward ops + swaps`` instructions (the forward's runs and offloads), the same for shared and
+    unshared segments: below the forward's peak neither fits, and only the shared one is built."""
+    from test_search import problem
+    from fxpooch.schedule import Kind
+    prob = problem(name, 0.0)
+    ev = Evaluator(prob)
+    decisions = ev.all_recompute()
+    decisions = tuple(S if d is K and a.swappable else d for d, a in zip(decisions, prob.graph.activations))
+    shared, alone = (ev.evaluate(decisions, share=s) for s in (True, False))
+    assert shared.shared and not alone.shared
+    n = sum(stop - start for start, stop in prob.graph.forward_range) + decisions.count(S)
+    for c in (shared, alone):
+        forward = c.layout.instrs[:n]
+        assert all(i.kind is Kind.OFFLOAD or prob.graph.ops[i.op].phase.value == "forward" for i in forward)
+        assert c.layout.instrs[n].kind is not Kind.OFFLOAD and (
+            c.layout.instrs[n].kind is not Kind.RUN or prob.graph.ops[c.layout.instrs[n].op].phase.value == "backward")
+    from fxpooch.simulator import static_memory
+    forward_peak = int(static_memory(shared.layout)[:n].max())
+    assert forward_peak == int(static_memory(alone.layout)[:n].max())
+    low = Evaluator(dataclasses.replace(prob, mem_limit=prob.graph.resident_bytes + forward_peak - 1))
+    assert not low.forward_may_fit(shared.layout)
+    built = low.evaluations
+    assert not low.evaluate(decisions).fits and low.evaluations == built + 1  # the shared one only
+    high = Evaluator(dataclasses.replace(prob, mem_limit=prob.graph.resident_bytes + forward_peak))
+    assert high.forward_may_fit(shared.layout)

@@ -188,7 +188,8 @@ class Evaluator:
             return self._cache[key]
         if share is None:
             candidate = self.evaluate(decisions, early_prefetch, True)
-            if candidate is not None and not candidate.fits and candidate.shared:
+            if (candidate is not None and not candidate.fits and candidate.shared
+                    and self.forward_may_fit(candidate.layout)):
                 alone = self.evaluate(decisions, early_prefetch, False)
                 candidate = alone if alone is not None and alone.fits else candidate
         else:
@@ -227,6 +228,14 @@ class Evaluator:
         so judging it is not needed."""
         mem = static_memory(schedule)
         return self.graph.resident_bytes + max(int(mem.max()) if len(mem) else 0, 0) <= self.problem.mem_limit
+
+    def forward_may_fit(self, schedule: Schedule) -> bool:
+        """False when ``schedule``'s forward (its ops and offloads, laid out first) is over the limit
+        in program order already: then so is every schedule of its decisions, recompute segments
+        shared or not (they differ in the backward only), and none is built to learn that."""
+        n = sum(stop - start for start, stop in self.graph.forward_range) + schedule.decisions.count(Decision.SWAP)
+        mem = static_memory(schedule)[:n]
+        return self.graph.resident_bytes + (int(mem.max()) if len(mem) else 0) <= self.problem.mem_limit
 
     def _judge(self, schedule: Schedule) -> Candidate:
         tl = simulate(self.graph, schedule, self.problem.costs, self.problem.mem_limit)
