@@ -158,8 +158,8 @@ def group_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop_at
     recomputes another, disjoint one that keeps at least as many bytes now; the trades that free
     the fewest bytes more than they keep first; or None. No single group move makes a trade
     where either change alone misses the limit or is slower: keep every layer's attention
-    dropout output and recompute the softmax of the same bytes instead; keep a ResNet stage's twelve 1x1-convolution outputs and recompute two of a larger
-    stage's."""
+    dropout output and recompute the softmax of the same bytes instead; keep a ResNet stage's
+    twelve 1x1-convolution outputs and recompute two of a larger stage's."""
     acts, buffers = ev.graph.activations, ev.graph.buffers
     nbytes = [buffers[act.buffer].nbytes for act in acts]
     kept = [sum(nbytes[a] for a in p if best.decisions[a] is Decision.KEEP) for p in parts]
