@@ -148,6 +148,14 @@ class Plan:
 
         return WhatIfs(self)
 
+    @cached_property
+    def releases(self) -> dict[int, int]:
+        """Swapped activation -> the forward op before which its device buffer is freed in stream order
+        (:func:`fxpooch.simulator.release_points`); the others are freed when their copy ends."""
+        from .simulator import release_points
+
+        return release_points(self.graph, self.schedule, self.timeline)
+
     def __str__(self) -> str:
         return self.table()
 

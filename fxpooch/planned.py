@@ -46,7 +46,7 @@ class Planned:
         if self.rewritten is None:
             self.rewritten = []
             for g, pair in enumerate(self.pairs):
-                rewritten = rewrite_pair(g, self.graph, self.table, self.plan.schedule)
+                rewritten = rewrite_pair(g, self.graph, self.table, self.plan.schedule, self.plan.releases)
                 dump_graphs(g, pair, rewritten)
                 code = compile_pair(rewritten.forward, rewritten.backward, pair.num_user_outputs, self.codegen)
                 self.rewritten.append((rewritten.forward, rewritten.backward, code))
@@ -58,9 +58,9 @@ class Planned:
 
 
 def sharing_code(planned: Planned, plan: Plan, compiled: list[Planned]) -> Planned:
-    """``planned`` with ``plan`` instead: with the code of the one in ``compiled`` whose schedule is
-    ``plan``'s (the same rewritten graphs), else with code made on first use (and added to ``compiled``)."""
-    same = next((c for c in compiled if c.plan.schedule == plan.schedule), None)
+    """``planned`` with ``plan`` instead: with the code of the one in ``compiled`` whose schedule and
+    release points are ``plan``'s (the same rewritten graphs), else with code made on first use (and added to ``compiled``)."""
+    same = next((c for c in compiled if c.plan.schedule == plan.schedule and c.plan.releases == plan.releases), None)
     if same is None:
         compiled.append(same := dataclasses.replace(planned, plan=plan, rewritten=None))
     return same if same.plan is plan else dataclasses.replace(same, plan=plan)

@@ -10,10 +10,17 @@ outside one, :data:`DEFAULT`): its slot table holds the host copy and its copy e
 
 On CUDA, ``offload`` copies device -> pinned host on a D2H side stream after the producer and
 ``prefetch`` host -> device on an H2D side stream after the offload's event; ``wait`` makes the
-compute stream wait for the prefetch's event. ``record_stream`` tells the caching allocator that
-a side stream still uses a buffer, so its memory is not reused before the copy is done. Nothing
-here waits on the host: ordering is by events between streams. On CPU the same ops are plain
-host copies, so rewritten graphs run (and are tested) on any machine.
+compute stream wait for the prefetch's event. An offloaded buffer is freed in stream order where
+the plan has its copy done: ``offload(x, slot, released=True)`` holds ``x`` until
+``release(host, slot)``, placed there by the passes, makes the compute stream wait for the copy's
+event and drops it, so the caching allocator hands its memory to the next compute-stream
+allocation at once. (The runtime holds the very tensor it copied: a compiler may give ``offload``
+a copy of the graph's value that its graph frees at once.)
+Elsewhere ``record_stream`` tells the allocator that a side stream still uses a buffer, so its
+memory is not reused before the copy is done; under a memory cap, such a buffer the allocator needs
+costs a host synchronization. Nothing here waits on the host: ordering is by events between
+streams. On CPU the same ops are plain host copies, so rewritten graphs run (and are tested) on
+any machine.
 """
 from __future__ import annotations
 
@@ -33,7 +40,10 @@ _lib = torch.library.Library("fxpooch", "DEF")
 # A compiler may pick another layout for an activation than the traced graph has (inductor makes
 # convolution outputs channels-last on CPU); the host copy, and so the prefetched tensor the backward
 # was compiled for, must keep the traced layout: the compiler gives ``offload`` its input in that order.
-_lib.define("offload(Tensor x, int slot) -> Tensor", tags=(torch.Tag.needs_fixed_stride_order,))
+_lib.define("offload(Tensor x, int slot, *, bool released=False) -> Tensor", tags=(torch.Tag.needs_fixed_stride_order,))
+# ``host`` itself, once the compute stream has waited for the copy into it (``slot``); the device
+# tensor copied (held since ``offload(..., released=True)``) then dies in stream order
+_lib.define("release(Tensor(a) host, int slot) -> Tensor(a)")
 _lib.define("prefetch(Tensor host, Device device, int slot) -> Tensor")
 _lib.define("wait(Tensor(a) x, int slot) -> Tensor(a)")
 _lib.define("drop(Tensor x) -> Tensor")
@@ -44,11 +54,13 @@ _lib.define("after(Tensor(a) x, Tensor[] done) -> Tensor(a)")
 
 @dataclass(eq=False)
 class HostCopy:
-    """A slot's host copy: its pool block (None once returned, or for a zero-byte copy) and the
-    event (None: none, or on CPU) that its device-to-host copy recorded."""
+    """A slot's host copy: its pool block (None once returned, or for a zero-byte copy), the
+    event (None: none, or on CPU) that its device-to-host copy recorded, and the device tensor
+    copied, while it is held for a stream-ordered release."""
 
     block: Block | None
     copied: object = None
+    source: torch.Tensor | None = None
 
 
 class _Streams:
@@ -75,8 +87,11 @@ class Runtime:
     runs) returns its block when it is freed.
     """
 
-    def __init__(self, pool: HostPool | None = None) -> None:
+    def __init__(self, pool: HostPool | None = None, stream_ordered: bool = True) -> None:
         self.pool = pool if pool is not None else HostPool()
+        #: False: ``release`` waits for nothing and every offloaded buffer is freed by ``record_stream``
+        #: (for comparison)
+        self.stream_ordered = stream_ordered
         self.slots: dict[int, HostCopy] = {}
         self.prefetched: dict[int, torch.cuda.Event] = {}
         self.streams = _Streams()
@@ -92,8 +107,9 @@ class Runtime:
             _active.runtime = previous
 
     # -- the ops -------------------------------------------------------------------------------
-    def offload(self, x: torch.Tensor, slot: int) -> torch.Tensor:
-        """The host copy of ``x``, recorded in ``slot`` for its prefetch."""
+    def offload(self, x: torch.Tensor, slot: int, released: bool = False) -> torch.Tensor:
+        """The host copy of ``x``, recorded in ``slot`` for its prefetch. ``released``: ``x`` is held
+        until :meth:`release` frees it in stream order (else ``record_stream``)."""
         nbytes = _span_bytes(x)
         if nbytes == 0:
             self.slots[slot] = HostCopy(None)
@@ -117,13 +133,27 @@ class Runtime:
             host.copy_(x, non_blocking=True)
             copy.copied = torch.cuda.Event()
             copy.copied.record(stream)
-        x.record_stream(stream)
+        if released and self.stream_ordered:
+            copy.source = x
+        else:
+            x.record_stream(stream)
+        return host
+
+    def release(self, host: torch.Tensor, slot: int) -> torch.Tensor:
+        """``host``, once the compute stream waits for the copy into it (``slot``); the device tensor
+        copied is dropped, so what the compute stream allocates in its memory is ordered after the copy."""
+        copy = self.slots.get(slot)
+        if copy is not None and copy.source is not None:
+            torch.cuda.current_stream(copy.source.device).wait_event(copy.copied)
+            copy.source = None
         return host
 
     def prefetch(self, host: torch.Tensor, device: torch.device, slot: int) -> torch.Tensor:
         """A device copy of the host copy in ``slot`` (``host``); the slot's block goes back to the pool."""
         with self.pool.lock:
             copy = self.slots.pop(slot, None)
+        if copy is not None:
+            self._unhold(copy)
         if copy is None or (copy.block is not None and host.untyped_storage().data_ptr() != copy.block.data.data_ptr()):
             raise RuntimeError(
                 f"fxpooch.prefetch: slot {slot} does not hold this host copy (its offload ran on another runtime "
@@ -155,6 +185,12 @@ class Runtime:
         return x
 
     # -- host copies -------------------------------------------------------------------------
+    def _unhold(self, copy: HostCopy) -> None:
+        """A device tensor still held for a release that did not run is freed when its copy ends."""
+        if copy.source is not None:
+            copy.source.record_stream(self.streams.get(self.streams.d2h, copy.source.device))
+            copy.source = None
+
     def _release(self, copy: HostCopy, after: object) -> None:
         with self.pool.lock:
             if copy.block is not None:
@@ -166,6 +202,7 @@ class Runtime:
         with self.pool.lock:
             if self.slots.get(slot) is copy:
                 del self.slots[slot]
+            self._unhold(copy)
             self._release(copy, copy.copied)
 
 
@@ -187,8 +224,12 @@ def current() -> Runtime:
     return getattr(_active, "runtime", None) or DEFAULT
 
 
-def _offload(x: torch.Tensor, slot: int) -> torch.Tensor:
-    return current().offload(x, slot)
+def _offload(x: torch.Tensor, slot: int, released: bool = False) -> torch.Tensor:
+    return current().offload(x, slot, released)
+
+
+def _release(host: torch.Tensor, slot: int) -> torch.Tensor:
+    return current().release(host, slot)
 
 
 def _prefetch(host: torch.Tensor, device: torch.device, slot: int) -> torch.Tensor:
@@ -210,18 +251,19 @@ def _after(x: torch.Tensor, done: list[torch.Tensor]) -> torch.Tensor:
 _lib.impl("offload", _offload, "CPU")
 _lib.impl("offload", _offload, "CUDA")
 _lib.impl("prefetch", _prefetch, "CPU")
+_lib.impl("release", _release, "CompositeExplicitAutograd")
 _lib.impl("wait", _wait, "CompositeExplicitAutograd")
 _lib.impl("drop", _drop, "CompositeExplicitAutograd")
 _lib.impl("after", _after, "CompositeExplicitAutograd")
 
 
 # Fake kernels: what a compiler (inductor) sees when it traces a rewritten graph with fake tensors.
-# ``offload`` makes a host tensor, ``prefetch`` a device one, ``wait`` returns its input (an alias,
-# as its schema says), ``drop`` an empty tensor and ``after`` its first input; all stay calls into this
-# module at run time. ``register_fake`` also makes each one the op's Meta kernel (a graph run on meta
-# tensors): there ``prefetch`` stays on meta. (torch 2.11 refuses a fake kernel beside a Meta one.)
+# ``offload`` makes a host tensor, ``prefetch`` a device one, ``wait`` and ``after`` return their first
+# input and ``release`` its host copy (aliases, as their schemas say), ``drop`` an empty tensor; all stay
+# calls into this module at run time. ``register_fake`` also makes each one the op's Meta kernel (a graph
+# run on meta tensors): there ``prefetch`` stays on meta. (torch 2.11 refuses a fake kernel beside a Meta one.)
 @torch.library.register_fake("fxpooch::offload", lib=_lib)
-def _offload_fake(x: torch.Tensor, slot: int) -> torch.Tensor:
+def _offload_fake(x: torch.Tensor, slot: int, released: bool = False) -> torch.Tensor:
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu")
 
 
@@ -234,6 +276,11 @@ def _prefetch_fake(host: torch.Tensor, device: torch.device, slot: int) -> torch
 @torch.library.register_fake("fxpooch::wait", lib=_lib)
 def _wait_fake(x: torch.Tensor, slot: int) -> torch.Tensor:
     return x
+
+
+@torch.library.register_fake("fxpooch::release", lib=_lib)
+def _release_fake(host: torch.Tensor, slot: int) -> torch.Tensor:
+    return host
 
 
 @torch.library.register_fake("fxpooch::after", lib=_lib)

@@ -17,7 +17,7 @@ import numpy as np
 
 from .graph import StepGraph
 from .schedule import Decision, Kind, Schedule, build_schedule
-from .types import Costs
+from .types import ActivationId, Costs, OpId
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,36 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
     forward_end = end[forward_last] if forward_last >= 0 else 0.0
     return Timeline(max(t, d2h, h2d), peak, static_peak, forward_end, d2h_end, h2d_end, stall,
                     tuple(memory), tuple(start), tuple(end))
+
+
+def release_points(graph: StepGraph, schedule: Schedule, timeline: Timeline) -> dict[ActivationId, OpId]:
+    """Swapped activation -> the forward op before which its device buffer is released in stream
+    order (the compute stream waits for the offload's copy, then the buffer is free to reuse).
+
+    It is the first op of the activation's forward graph after the buffer's last reader that
+    ``timeline`` starts no earlier than the copy ends: where the simulated memory has the buffer
+    freed already, so releasing there changes no allocation the plan counted, and the wait costs
+    nothing when the copy runs as simulated. An activation whose copy ends after its forward
+    graph's last op has started has none; its buffer is freed when the copy ends, as simulated
+    (the runtime's ``record_stream``)."""
+    instrs, start, last_reader = schedule.instrs, timeline.start, schedule.last_reader
+    RUN = Kind.RUN
+    points: dict[ActivationId, OpId] = {}
+    for j, ins in enumerate(instrs):
+        if ins.kind is not Kind.OFFLOAD:
+            continue
+        lo, hi = graph.forward_range[graph.activations[ins.act].graph]
+        copied = timeline.d2h_end[ins.act]
+        for i in range(max(j, last_reader[ins.reads[0]]) + 1, len(instrs)):
+            op = instrs[i]
+            if op.kind is not RUN:
+                continue
+            if not lo <= op.op < hi:
+                break
+            if start[i] >= copied:
+                points[ins.act] = op.op
+                break
+    return points
 
 
 def static_memory(schedule: Schedule) -> np.ndarray:

@@ -3,7 +3,10 @@
 The forward still returns one value per saved output (AOTAutograd's contract), but a swapped
 one now holds the host copy (``fxpooch.offload(x, slot)``, the slot from :mod:`.slots`) and a
 recomputed one an empty tensor (``fxpooch.drop``), so the device storage dies at its last
-forward use.
+forward use. Where the plan has a swapped activation's copy done before an op of the forward
+(``releases``: :func:`fxpooch.simulator.release_points`), ``fxpooch.release(host, slot)``
+before that op frees the device storage in stream order (``offload(..., released=True)`` holds
+it until then).
 """
 from __future__ import annotations
 
@@ -17,14 +20,16 @@ from .meta import META_KEY
 from .slots import copied_first, view_of_copy
 
 
-def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTable,
-                    schedule: Schedule, slots: dict[int, int]) -> fx.GraphModule:
-    """A new forward GraphModule for graph ``g`` with offload / drop nodes inserted."""
+def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTable, schedule: Schedule,
+                    slots: dict[int, int], releases: dict[int, int]) -> fx.GraphModule:
+    """A new forward GraphModule for graph ``g`` with offload / drop / release nodes inserted
+    (``releases``: swapped activation -> the op its release precedes)."""
     new_graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     out = new_graph.graph_copy(gm.graph, env)
     pair = table.pairs[g]
     replace: dict[fx.Node, fx.Node] = {}
+    released: list[tuple[int, fx.Node]] = []  # (activation, its member's offload) freed by a release
     for a, act in enumerate(graph.activations):
         decision = schedule.decisions[a]
         if act.graph != g or decision is Decision.KEEP:
@@ -34,6 +39,7 @@ def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTab
         swap = decision is Decision.SWAP
         op = torch.ops.fxpooch.offload.default if swap else torch.ops.fxpooch.drop.default
         prefix = "offload" if swap else "drop"
+        kwargs = {"released": True} if a in releases else {}
         after = anchor
         for i in copied_first(act):
             member = members[i]
@@ -46,12 +52,22 @@ def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTab
                         continue
                 else:
                     args = (member, slots[act.members[i]]) if swap else (member,)
-                    node = new_graph.create_node("call_function", op, args, name=f"{prefix}_{member.name}")
+                    node = new_graph.create_node("call_function", op, args, kwargs if swap else {},
+                                                 name=f"{prefix}_{member.name}")
+                    if kwargs:
+                        released.append((a, node))
             node.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
             replace[member] = node
             after = node
         for member in members:
             member.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
+    for a, offload in released:
+        member, slot = offload.args
+        with new_graph.inserting_before(env[table.nodes[releases[a]]]):
+            node = new_graph.create_node("call_function", torch.ops.fxpooch.release.default, (offload, slot),
+                                         name=f"release_{member.name}")
+        node.meta[META_KEY] = {"activation": graph.activations[a].name, "decision": Decision.SWAP.value}
+        replace = {m: node if r is offload else r for m, r in replace.items()}
     outputs = list(out)
     k = pair.num_user_outputs
     outputs[k:] = [replace.get(o, o) if isinstance(o, fx.Node) else o for o in outputs[k:]]

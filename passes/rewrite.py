@@ -19,10 +19,14 @@ class RewrittenPair:
     backward: fx.GraphModule
 
 
-def rewrite_pair(g: int, graph: StepGraph, table: NodeTable, schedule: Schedule) -> RewrittenPair:
+def rewrite_pair(g: int, graph: StepGraph, table: NodeTable, schedule: Schedule,
+                 releases: dict[int, int] | None = None) -> RewrittenPair:
+    """Graph pair ``g`` rewritten for ``schedule``; ``releases`` (swapped activation -> forward op, from
+    :func:`fxpooch.simulator.release_points`): where each offloaded buffer is freed in stream order
+    (None or absent: when its copy ends, ``record_stream``)."""
     pair = table.pairs[g]
     slots = swap_slots(graph, schedule)
     return RewrittenPair(
-        rewrite_forward(pair.forward, g, graph, table, schedule, slots),
+        rewrite_forward(pair.forward, g, graph, table, schedule, slots, releases or {}),
         rewrite_backward(pair.backward, g, graph, table, schedule, slots),
     )

@@ -161,6 +161,28 @@ def test_offloaded_buffer_is_not_reused_before_its_copy(delayed: str):
     torch.testing.assert_close(back.cpu(), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("delayed", ["side"], indirect=True)
+def test_released_buffer_is_reused_at_once_in_stream_order(delayed: str):
+    """``offload(..., released=True)`` holds the source until ``release``, which makes the compute
+    stream wait for the (late) copy: the next allocation takes the source's block at once (no
+    ``record_stream`` keeps it), and what the compute stream writes there comes after the copy."""
+    rt = runtime.Runtime()
+    torch.cuda.empty_cache()  # no cached block but the source's can serve the allocation below
+    n = 1 << 22
+    x = torch.randn(n, device="cuda")
+    expected, ptr = x.cpu(), x.data_ptr()
+    host = rt.offload(x, 0, released=True)
+    del x  # the graph's last reader is done; the runtime still holds the source
+    other = torch.empty(n, device="cuda")
+    assert other.data_ptr() != ptr
+    host = rt.release(host, 0)
+    y = torch.empty(n, device="cuda")
+    assert y.data_ptr() == ptr
+    y.fill_(7.0)  # would overwrite the source before its late copy without release's wait
+    back = rt.wait(rt.prefetch(host, torch.device("cuda"), 0), 0) * 1
+    torch.testing.assert_close(back.cpu(), expected, rtol=0, atol=0)
+
+
 def test_copies_are_queued_not_waited_for():
     """Offload and prefetch only queue their copies on the side streams: with the compute stream busy
     (which both copies wait for), each returns before its copy has run. A copy from or to pageable

@@ -24,7 +24,7 @@ from fxpooch.planners.baselines import (checkpoint_decisions, previous_convoluti
 from fxpooch.planners.common import Evaluator
 from fxpooch.planners.pooch import overhead_sets, step2_swap_to_recompute
 from fxpooch.schedule import Decision, build_schedule
-from fxpooch.simulator import simulate
+from fxpooch.simulator import release_points, simulate
 from fxpooch.types import Costs
 from stepgraphs import CONV, RELU, MiB, build, chain
 
@@ -65,6 +65,25 @@ def test_copies_on_the_compute_stream_add_to_the_step():
     assert overlapped.step_time == 6.0
     assert serial.step_time == 8.0
     assert serial.d2h_end[0] == 2.0 and serial.forward_end == 4.0  # f2 waits for the offload
+
+
+@pytest.mark.parametrize("d2h, decisions, serial, releases", [
+    # f1 0-1 then f2 1-2, f3 2-3, f4 3-4; a1's last forward reader is f2 (op 2).
+    (0.5, [S, K, K, K], False, {0: 3}),  # copied by 1.5: released before f3, the first op after f2
+    (1.0, [S, K, K, K], False, {0: 3}),  # copied at 2.0, when f3 starts
+    (1.5, [S, K, K, K], False, {0: 4}),  # copied at 2.5: f3 starts before, f4 after
+    (2.5, [S, K, K, K], False, {}),  # copied at 3.5, after f4 (the last forward op) starts: record_stream
+    (1.5, [S, K, K, K], True, {0: 3}),  # a CPU host copies first (f2 waits): done before f3
+    # a2 (last read by f3) copies after a1 on the one D2H stream: 2.0-3.0, released before f4
+    (1.0, [S, S, K, K], False, {0: 3, 1: 4}),
+    (0.5, [R, S, K, K], False, {1: 4}),  # a recomputed activation has no copy to wait for
+])
+def test_release_points(d2h, decisions, serial, releases):
+    """A swapped buffer is released before the first forward op after its last reader that starts
+    no earlier than its copy ends (where the simulation has it freed already); none within the forward: none."""
+    graph, costs = chain([1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [(d2h, 1.0), (1, 1), (1, 1), (1, 1)])
+    cand = evaluator(graph, dataclasses.replace(costs, serial_copies=serial)).evaluate(decisions)
+    assert release_points(graph, cand.schedule, cand.timeline) == releases
 
 
 def test_host_link_copies_on_the_compute_stream():
