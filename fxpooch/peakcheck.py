@@ -10,7 +10,8 @@ is read (:func:`allocator_peak`: on CUDA its peak statistic, on CPU the profiler
 events), and while it is above the limit (less the margin), the plan is made again with the memory
 measured above the plan kept free as margin (a tighter limit for the planner), then compiled and
 measured again, for a bounded number of rounds. A limit no such plan meets raises
-:class:`~fxpooch.errors.InfeasibleMemoryLimit` naming the lowest peak measured.
+:class:`~fxpooch.errors.InfeasibleMemoryLimit` naming the smallest limit whose margin leaves room
+for the lowest peak measured.
 
 The profile times the graphs op by op, unfused (inductor's CNN step ran 2.4 times faster than that
 predicted), so the first measured step also calibrates the costs (:func:`calibrated`): every op's
@@ -239,8 +240,8 @@ def fit_measured(plan: Plan, measure: Callable[[Plan], tuple[int, float]], *, ro
                  planner: str | Planner, margin: Margin, calibrate: bool = True) -> Measured:
     """``plan`` if its compiled step (``measure(plan)``: the measured peak and seconds) fits the
     limit less ``margin``, else the plan :func:`fitting` makes next, measured in its turn. Raises
-    :class:`InfeasibleMemoryLimit` naming the lowest measured peak (a limit that plan met) when none
-    fits."""
+    :class:`InfeasibleMemoryLimit` naming the smallest limit whose margin leaves room for the lowest
+    measured peak (a limit that plan met) when none fits."""
     search = fitting(plan, rounds=rounds, planner=planner, margin=margin, calibrate=calibrate)
     plan = next(search)
     while True:
@@ -260,8 +261,8 @@ def fitting(plan: Plan, *, rounds: int, planner: str | Planner, margin: Margin,
     After ``plan``, a plan made again with the memory measured above the plan kept free, up to
     ``rounds`` times, and last the planner's most frugal plan (:func:`most_frugal`). ``calibrate``:
     the first step measured scales the costs (:func:`calibrated`); a plan whose schedule that changes
-    is measured in its turn (not a round). Raises :class:`InfeasibleMemoryLimit` naming the lowest
-    measured peak when none fits."""
+    is measured in its turn (not a round). Raises :class:`InfeasibleMemoryLimit` naming the smallest
+    limit whose margin leaves room for the lowest measured peak when none fits."""
     limit = plan.mem_limit
     target = limit - margin.of(limit)
     tried: list[Measured] = []
@@ -293,8 +294,9 @@ def fitting(plan: Plan, *, rounds: int, planner: str | Planner, margin: Margin,
         extra = plan.margin_bytes - margin.of(limit)
         round_ += 1
     best = min(tried, key=lambda m: m.peak_bytes)
+    # the smallest limit whose margin leaves that peak room: the limit a plan met, as the message says
     raise InfeasibleMemoryLimit(
-        limit, best.peak_bytes, (), found.plan.planner, margin_bytes=margin.of(limit),
+        limit, margin.limit_for(best.peak_bytes), (), found.plan.planner, margin_bytes=margin.of(limit),
         note=(f"Measured, the compiled step took up to "
               f"{format_bytes(max(t.undercount for t in tried))} more than its plan counts (the compiled code's "
               f"own buffers and scratch); of {len(tried)} plans tried the lowest peak measured was "

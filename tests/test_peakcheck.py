@@ -144,6 +144,16 @@ def test_fit_measured_keeps_the_measured_excess_free_and_stops_within_its_rounds
                          calibrate=False)
     assert found.peak_bytes <= named
 
+    # with a share of the limit kept free (CUDA's default margin), the limit named leaves that share too
+    cuda = Margin.default_for("cuda")
+    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as e:
+        fit_measured(at_floor, measure_over(4096), rounds=2, planner="local", margin=cuda, calibrate=False)
+    named = e.value.min_feasible_bytes
+    assert named - cuda.of(named) == at_floor.peak_bytes + 4096
+    found = fit_measured(_plan_of_mlp(named), measure_over(4096), rounds=2, planner="local", margin=cuda,
+                         calibrate=False)
+    assert found.peak_bytes <= named - cuda.of(named)
+
 
 def test_the_measured_step_time_scales_the_costs():
     plan = _plan_of_mlp(2**40)
