@@ -309,9 +309,9 @@ def test_pool_bounded_at_the_plans_host_bytes_without_host_syncs():
 def test_step_over_a_memory_cap_compiles_and_runs_under_it():
     """Capture holds no activations and the profile is per node (CUDA events), so compiling needs
     far less than the in-core step: everything here runs under set_per_process_memory_fraction, and
-    allocates at most the limit. The cap leaves the caching allocator a quarter of the limit on top
-    for blocks it holds but cannot use (on an H100, capture under a cap of the limit alone failed a
-    2 MiB allocation with 17 MiB of 90 reserved but unallocated)."""
+    allocates at most the limit. The cap leaves the caching allocator 64 MiB on top for what its
+    segments (2 and 20 MiB) strand at this scale (on an H100, capture under a cap of the limit failed a
+    2 MiB allocation with 17 MiB of 90 reserved but unallocated; under 1.25 times the limit, with 33 MiB)."""
     model, x = cuda_zoo("transformer_block")
     eager = copy.deepcopy(model)
     floor, in_core = floor_and_in_core(model, x)
@@ -321,7 +321,7 @@ def test_step_over_a_memory_cap_compiles_and_runs_under_it():
     gc.collect()
     torch.cuda.empty_cache()
     outside = torch.cuda.memory_allocated() - resident
-    torch.cuda.set_per_process_memory_fraction((outside + limit * 5 // 4) / device_memory())
+    torch.cuda.set_per_process_memory_fraction((outside + limit + 64 * 2**20) / device_memory())
     torch.cuda.reset_peak_memory_stats()
     try:
         cm = fxpooch.compile(model, x, limit, profile="measure")
