@@ -15,10 +15,11 @@ the plan has its copy done: ``offload(x, slot, released=True)`` holds ``x`` unti
 ``release(host, slot)``, placed there by the passes, makes the compute stream wait for the copy's
 event and drops it, so the caching allocator hands its memory to the next compute-stream
 allocation at once. (The runtime holds the very tensor it copied: a compiler may give ``offload``
-a copy of the graph's value that its graph frees at once.)
-Elsewhere ``record_stream`` tells the allocator that a side stream still uses a buffer, so its
-memory is not reused before the copy is done; under a memory cap, such a buffer the allocator needs
-costs a host synchronization. Nothing here waits on the host: ordering is by events between
+a copy of the graph's value that its graph frees at once.) A prefetched buffer is read only after
+its ``wait``, so it is freed in stream order after its last reader, as any other. Elsewhere (an
+offload whose copy the plan has end after the forward) ``record_stream`` tells the allocator that a
+side stream still uses a buffer, so its memory is not reused before the copy is done; under a
+memory cap, such a buffer the allocator needs costs a host synchronization. Nothing here waits on the host: ordering is by events between
 streams. On CPU the same ops are plain host copies, so rewritten graphs run (and are tested) on
 any machine.
 """
@@ -80,7 +81,9 @@ class _Streams:
 class Runtime:
     """One compiled module's runtime state: its host pool, the slot table of host copies
     (``slots``: slot -> :class:`HostCopy`, from offload to prefetch), the prefetches' events
-    (``prefetched``: slot -> CUDA event, from prefetch to wait) and its side streams.
+    (``prefetched``: slot -> CUDA event, from prefetch to wait) and device copies (``incoming``: held
+    from prefetch to wait, so none is freed before the compute stream has waited for its copy) and
+    its side streams.
 
     A host copy's block returns to the pool when its prefetch is issued, tagged with the
     prefetch's event; a host copy that dies without a prefetch (a forward whose backward never
@@ -89,11 +92,12 @@ class Runtime:
 
     def __init__(self, pool: HostPool | None = None, stream_ordered: bool = True) -> None:
         self.pool = pool if pool is not None else HostPool()
-        #: False: ``release`` waits for nothing and every offloaded buffer is freed by ``record_stream``
-        #: (for comparison)
+        #: False: ``release`` waits for nothing and every offloaded and prefetched buffer is freed by
+        #: ``record_stream`` (for comparison)
         self.stream_ordered = stream_ordered
         self.slots: dict[int, HostCopy] = {}
         self.prefetched: dict[int, torch.cuda.Event] = {}
+        self.incoming: dict[int, torch.Tensor] = {}
         self.streams = _Streams()
 
     @contextlib.contextmanager
@@ -172,7 +176,15 @@ class Runtime:
             out.copy_(host, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        out.record_stream(stream)
+        # Every reader of ``out`` on the compute stream comes after its wait, and so does its free: the
+        # caching allocator may hand its memory to the next compute-stream allocation at once. A
+        # ``record_stream`` would hold it until the H2D stream's queue (later prefetches included) has
+        # run, and under a memory cap the allocator synchronizes to get it back.
+        if self.stream_ordered:
+            self._drop_incoming(slot)  # a prefetch whose wait never ran (a backward stopped midway)
+            self.incoming[slot] = out
+        else:
+            out.record_stream(stream)
         self.prefetched[slot] = done
         self._release(copy, done)
         return out
@@ -182,7 +194,14 @@ class Runtime:
         done = self.prefetched.pop(slot, None)
         if done is not None and x.device.type == "cuda":
             torch.cuda.current_stream(x.device).wait_event(done)
+        self.incoming.pop(slot, None)
         return x
+
+    def _drop_incoming(self, slot: int) -> None:
+        """A device copy still held (its wait did not run) is freed when the H2D stream is done with it."""
+        out = self.incoming.pop(slot, None)
+        if out is not None:
+            out.record_stream(self.streams.get(self.streams.h2d, out.device))
 
     # -- host copies -------------------------------------------------------------------------
     def _unhold(self, copy: HostCopy) -> None:

@@ -183,6 +183,28 @@ def test_released_buffer_is_reused_at_once_in_stream_order(delayed: str):
     torch.testing.assert_close(back.cpu(), expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("delayed", ["side"], indirect=True)
+def test_prefetched_buffer_is_reused_at_once_after_its_wait(delayed: str):
+    """A prefetched buffer is read only after its ``wait`` (the compute stream waits for the late
+    copy): once its readers are done, the next allocation takes its block at once, and the value its
+    reader computed is the host copy's."""
+    rt = runtime.Runtime()
+    torch.cuda.empty_cache()
+    n = 1 << 22
+    x = torch.randn(n, device="cuda")
+    expected = x.cpu()
+    host = rt.offload(x, 0)  # x stays: its block is no candidate below
+    back = rt.prefetch(host, torch.device("cuda"), 0)
+    ptr = back.data_ptr()
+    doubled = rt.wait(back, 0) * 2
+    assert not rt.incoming
+    del back
+    y = torch.empty(n, device="cuda")
+    assert y.data_ptr() == ptr
+    y.fill_(7.0)
+    torch.testing.assert_close(doubled.cpu(), expected * 2, rtol=0, atol=0)
+
+
 def test_copies_are_queued_not_waited_for():
     """Offload and prefetch only queue their copies on the side streams: with the compute stream busy
     (which both copies wait for), each returns before its copy has run. A copy from or to pageable
