@@ -162,13 +162,34 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
     materialises: dict[int, tuple[int, ...]] = {}
     shared = False
     rebuilt: set[int] = set()
+    memo = _per_graph(graph, _chain_memo)
+
+    def remembered(b: int, pending: Callable[[int], bool]) -> set[int]:
+        """``chain_ops(graph, b, pending, owner)``, from ``memo`` when every activation that walk asked
+        ``pending`` about answers as it did then (the walk is the same), asking each again (``pending``
+        notes what it sees)."""
+        for asked, ops_of in memo.get(b, ()):
+            if all(pending(c) is answer for c, answer in asked):
+                return set(ops_of)
+        asked: list[tuple[int, bool]] = []
+
+        def asking(c: int) -> bool:
+            answer = pending(c)
+            asked.append((c, answer))
+            return answer
+        chain = chain_ops(graph, b, asking, owner)
+        seen = memo.setdefault(b, [])
+        seen.insert(0, (tuple(dict.fromkeys(asked)), frozenset(chain)))
+        del seen[_CHAIN_MEMO_WALKS:]
+        return chain
+
     recomputed = sorted((a for a, d in enumerate(decisions) if d is Decision.RECOMPUTE),
                         key=lambda a: (first_use.get(a, -1), a))
     for b in recomputed:
         if b in rebuilt:
             continue
         if not share or b not in first_use:
-            chains[b] = recompute_chain(graph, b, decisions, owner)
+            chains[b] = tuple(sorted(remembered(b, lambda c: decisions[c] is Decision.RECOMPUTE)))
             materialises[b] = (b,)
             continue
 
@@ -179,7 +200,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
                 return False
             return decisions[c] is Decision.RECOMPUTE
 
-        chain = chain_ops(graph, b, pending, owner)
+        chain = remembered(b, pending)
         whole: set[int] = set()
         grown = True
         while grown:  # a pending activation whose storage the chain allocates is rebuilt whole
@@ -188,7 +209,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
                 if (c in first_use and c not in rebuilt and decisions[c] is Decision.RECOMPUTE
                         and acts[c].producer in chain):
                     whole.add(c)
-                    chain |= chain_ops(graph, c, pending, owner)
+                    chain |= remembered(c, pending)
                     grown = True
         shared = shared or bool(whole)
         chains[b] = tuple(sorted(chain))
@@ -252,18 +273,44 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         for x in read:
             last[x] = i
 
+    buffer_bytes = _per_graph(graph, _buffer_columns)[0]
+    recompute_reads = graph.recompute_read_buffers
+
     def recompute_instrs(b: int) -> None:
-        """The chain's own buffers are fresh copies tagged with ``b``; other reads see ``view``."""
+        """The chain's own buffers are fresh copies tagged with ``b``; other reads see ``view``.
+        (``emit`` and ``copy_of`` inlined: this runs for every recomputed chain of every schedule.)"""
         kept = {acts[c].buffer for c in materialises[b]}
-        own = {buf: view[buf] if buf in kept else copy_of(buf, buffers[buf].nbytes)
-               for o in chains[b] for buf in allocs[o]}
+        chain = chains[b]
+        own: dict[int, int] = {}
+        fresh: list[int] = []  # the buffers copied, in instance order
+        n = len(inst_bytes)
+        for o in chain:
+            for buf in allocs[o]:
+                if buf in kept:
+                    own[buf] = view[buf]
+                elif buf not in own:
+                    own[buf] = n + len(fresh)
+                    fresh.append(buf)
+        inst_bytes.extend([buffer_bytes[buf] for buf in fresh])
+        inst_buf.extend(fresh)
+        persistent.extend([False] * len(fresh))
         last.extend([-1] * (len(inst_bytes) - len(last)))
         first.extend([-1] * (len(inst_bytes) - len(first)))
-        for o in chains[b]:
-            emit(Kind.RECOMPUTE, o, b, tuple(own[buf] for buf in allocs[o]),
-                 tuple(own.get(buf, view[buf]) for buf in graph.recompute_read_buffers[o]))
+        sees = own.get
+        i = len(instrs)
+        for o in chain:
+            new = tuple([own[buf] for buf in allocs[o]])
+            read = tuple([sees(buf, view[buf]) for buf in recompute_reads[o]])
+            instrs.append(make_instr(Instr, (RECOMPUTE, o, b, new, read)))
+            for x in new:
+                if first[x] < 0:
+                    first[x] = last[x] = i
+            for x in read:
+                last[x] = i
+            i += 1
 
     make_instr = tuple.__new__  # Instr without its keyword-default wrapper: this loop is the hot path
+    RECOMPUTE = Kind.RECOMPUTE
     runs = _forward_runs(graph)
     for start, stop in graph.forward_range:
         for op_id in range(start, stop):
@@ -323,6 +370,15 @@ def _per_graph(graph: StepGraph, make: Callable[[StepGraph], object]):
     if make not in values:
         values[make] = make(graph)
     return values[make]
+
+
+#: walks of one activation's recompute chain :func:`build_schedule` remembers per graph (the latest)
+_CHAIN_MEMO_WALKS = 4
+
+
+def _chain_memo(graph: StepGraph) -> dict[int, list[tuple[tuple[tuple[int, bool], ...], frozenset[int]]]]:
+    """Per activation: the walks of its recompute chain (what ``pending`` answered, the ops found)."""
+    return {}
 
 
 def _forward_runs(graph: StepGraph) -> dict[int, Instr]:

@@ -482,3 +482,21 @@ def test_an_unshared_schedule_is_not_built_where_the_forward_is_over_the_limit(n
     assert not low.evaluate(decisions).fits and low.evaluations == built + 1  # the shared one only
     high = Evaluator(dataclasses.replace(prob, mem_limit=prob.graph.resident_bytes + forward_peak))
     assert high.forward_may_fit(shared.layout)
+
+
+@pytest.mark.parametrize("name", ["transformer_block", "resnet_small"])
+def test_remembered_recompute_chains_build_the_schedules_a_fresh_graph_builds(name):
+    """``build_schedule`` remembers each activation's chain walks per graph and reuses one where every
+    activation the walk asked about answers alike: over a run of random decisions, shared and not,
+    each schedule equals the one built on a copy of the graph that remembers nothing yet."""
+    import random
+    from test_search import problem
+    graph = problem(name, 0.5).graph
+    alone = Evaluator(problem(name, 0.5)).recomputable_alone
+    rng = random.Random(0)
+    for i in range(30):
+        decisions = [R if ok and rng.random() < 0.6 else rng.choice([K, S]) for ok in alone]
+        decisions = [K if d is S and not act.swappable else d for d, act in zip(decisions, graph.activations)]
+        share = i % 3 != 0
+        fresh = dataclasses.replace(graph)  # another object: its own (empty) memory of walks
+        assert build_schedule(graph, decisions, share=share) == build_schedule(fresh, decisions, share=share)
