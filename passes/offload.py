@@ -52,8 +52,7 @@ def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTab
                         continue
                 else:
                     args = (member, slots[act.members[i]]) if swap else (member,)
-                    node = new_graph.create_node("call_function", op, args, kwargs if swap else {},
-                                                 name=f"{prefix}_{member.name}")
+                    node = new_graph.create_node("call_function", op, args, kwargs, name=f"{prefix}_{member.name}")
                     if kwargs:
                         released.append((a, node))
             node.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
@@ -61,16 +60,18 @@ def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTab
             after = node
         for member in members:
             member.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
+    release_of: dict[fx.Node, fx.Node] = {}  # offload -> its release, which the forward returns instead
     for a, offload in released:
         member, slot = offload.args
         with new_graph.inserting_before(env[table.nodes[releases[a]]]):
             node = new_graph.create_node("call_function", torch.ops.fxpooch.release.default, (offload, slot),
                                          name=f"release_{member.name}")
         node.meta[META_KEY] = {"activation": graph.activations[a].name, "decision": Decision.SWAP.value}
-        replace = {m: node if r is offload else r for m, r in replace.items()}
+        release_of[offload] = node
     outputs = list(out)
     k = pair.num_user_outputs
-    outputs[k:] = [replace.get(o, o) if isinstance(o, fx.Node) else o for o in outputs[k:]]
+    outputs[k:] = [release_of.get(replace.get(o, o), replace.get(o, o)) if isinstance(o, fx.Node) else o
+                   for o in outputs[k:]]
     new_graph.output(tuple(outputs))
     new_graph.lint()
     return fx.GraphModule(gm, new_graph)
