@@ -260,8 +260,9 @@ def fitting(plan: Plan, *, rounds: int, planner: str | Planner, margin: Margin,
 
     After ``plan``, a plan made again with the memory measured above the plan kept free, up to
     ``rounds`` times, and last the planner's most frugal plan (:func:`most_frugal`). ``calibrate``:
-    the first step measured scales the costs (:func:`calibrated`); a plan whose schedule that changes
-    is measured in its turn (not a round). Raises :class:`InfeasibleMemoryLimit` naming the smallest
+    the first step measured to its end scales the costs (:func:`calibrated`, the memory kept free so
+    far still kept free); a plan whose schedule that changes is measured in its turn (not a round),
+    and where it does not fit, a plan measured before it that did is returned. Raises :class:`InfeasibleMemoryLimit` naming the smallest
     limit whose margin leaves room for the lowest measured peak when none fits."""
     limit = plan.mem_limit
     target = limit - margin.of(limit)
@@ -273,8 +274,8 @@ def fitting(plan: Plan, *, rounds: int, planner: str | Planner, margin: Margin,
         log.info("round %d: the compiled step measured %d bytes, planned %d, limit %d (less the margin: %d)",
                  round_, found.peak_bytes, plan.peak_bytes, limit, target)
         if calibrate and plan.step_time > 0 and found.seconds > 0:  # no seconds: the step did not run through
-            calibrate = False
-            plan = calibrated(plan, found.seconds, planner=planner, margin=Margin(margin.share, margin.nbytes))
+            calibrate = False  # planned again keeping free what earlier rounds found the code takes beyond its plans
+            plan = calibrated(plan, found.seconds, planner=planner, margin=Margin(margin.share, margin.nbytes + extra))
             if plan.schedule != found.plan.schedule:  # other decisions on these costs: compile and measure them
                 log.info("on the measured costs the plan changes (%s -> %s)", found.plan.counts(), plan.counts())
                 tried.append(found)
@@ -283,6 +284,11 @@ def fitting(plan: Plan, *, rounds: int, planner: str | Planner, margin: Margin,
         tried.append(found)
         if found.peak_bytes <= target:
             return found
+        fitted = [t for t in tried if t.peak_bytes <= target]
+        if fitted:  # the plan the calibrated costs made did not fit: the one measured before them did
+            log.info("the plan made on the measured costs measured %d bytes above the limit: the plan measured "
+                     "before them is kept", found.peak_bytes - target)
+            return fitted[-1]
         plan = None if frugal else _tighter(found, target, extra, round_ < rounds, planner, margin)
         if plan is None:
             frugal, plan = True, most_frugal(found.plan, planner)

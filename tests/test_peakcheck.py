@@ -172,6 +172,34 @@ def test_a_step_slower_than_predicted_keeps_the_costs():
     assert found.plan is plan and found.seconds == pytest.approx(plan.step_time * 1.5)
 
 
+@pytest.mark.parametrize("limit, calibrated_extra, kept", [
+    # on an H200, inductor's ResNet-50 ran out of memory (no time measured) until a plan kept 1.2 GB free;
+    # the costs its time calibrated were planned again with none kept free, and that plan ran out too
+    (21 * MiB + MiB // 2, 1 * MiB, "calibrated"),  # calibrated, still keeping the measured excess free: fits
+    (21 * MiB + MiB // 2, 3 * MiB, "measured before"),  # the calibrated plan's code takes more: the fitting one
+    (20 * MiB + MiB // 2, 1 * MiB, "same schedule"),  # the calibrated costs plan the same: its costs are kept
+])
+def test_costs_calibrated_after_rounds_out_of_memory_keep_the_memory_found_free(limit, calibrated_extra, kept):
+    plan, tried = _plan_of_mlp(limit), []
+
+    def measure(p: fxpooch.Plan) -> tuple[int, float]:
+        tried.append(p)
+        peak = p.peak_bytes + (calibrated_extra if "measured time" in p.profile.source else MiB)
+        return peak, (p.step_time / 10 if peak <= limit else 0.0)  # out of memory: no time
+
+    found = fit_measured(plan, measure, rounds=2, planner="local", margin=Margin())
+    assert found.peak_bytes <= limit and found.plan.margin_bytes >= MiB
+    assert tried[0] is plan and tried[0].peak_bytes + MiB > limit  # the first step ran out
+    if kept == "calibrated":
+        assert len(tried) == 3 and found.plan is tried[2] and "measured time" in found.plan.profile.source
+        assert found.plan.schedule != tried[1].schedule
+    elif kept == "measured before":
+        assert len(tried) == 3 and found.plan is tried[1] and "measured time" not in found.plan.profile.source
+    else:
+        assert len(tried) == 2 and found.plan.schedule == tried[1].schedule
+        assert "measured time" in found.plan.profile.source and found.plan.step_time < tried[1].step_time
+
+
 def test_a_step_out_of_memory_measures_what_it_held_and_asked_for():
     def run():
         held = torch.empty(MiB // 4)  # 1 MiB
