@@ -29,7 +29,8 @@ import torch.nn as nn
 
 from . import _torch_compat as compat
 from .capture import GraphPair, Recorder, capture_step
-from .errors import InfeasibleMemoryLimit
+from .bytesize import format_bytes
+from .errors import InfeasibleMemoryLimit, InvalidOption
 from .fsdp import local_tensor
 from .graph import NodeTable, StepGraph, build_step_graph
 from .hardware import Hardware, Link, get_hardware
@@ -201,6 +202,12 @@ def _solve(graph: StepGraph, profile: Profile, mem_limit: int, planner: str | Pl
             raise
         raise InfeasibleMemoryLimit(mem_limit, margin.limit_for(e.min_feasible_bytes), e.live, e.planner,
                                     margin_bytes=reserve) from None
+    budget = mem_limit - reserve
+    if candidate.timeline.peak_bytes > budget:  # a planner passed as a function may return any plan
+        raise InvalidOption(
+            f"planner {name!r} returned a plan whose peak ({format_bytes(candidate.timeline.peak_bytes)}) is above "
+            f"the {format_bytes(budget)} it was given (mem_limit less the margin): a planner returns a plan "
+            "within Problem.mem_limit, or raises InfeasibleMemoryLimit")
     return name, candidate, reserve
 
 

@@ -150,8 +150,9 @@ class Plan:
 
     @cached_property
     def releases(self) -> dict[int, int]:
-        """Swapped activation -> the forward op before which its device buffer is freed in stream order
-        (:func:`fxpooch.simulator.release_points`); the others are freed when their copy ends."""
+        """Swapped activation -> the op (of its forward or backward graph) before which its device
+        buffer is freed in stream order (:func:`fxpooch.simulator.release_points`); the others are
+        freed when their copy ends."""
         from .simulator import release_points
 
         return release_points(self.graph, self.schedule, self.timeline)

@@ -17,9 +17,10 @@ event and drops it, so the caching allocator hands its memory to the next comput
 allocation at once. (The runtime holds the very tensor it copied: a compiler may give ``offload``
 a copy of the graph's value that its graph frees at once.) A prefetched buffer is read only after
 its ``wait``, so it is freed in stream order after its last reader, as any other. Elsewhere (an
-offload whose copy the plan has end after the forward) ``record_stream`` tells the allocator that a
-side stream still uses a buffer, so its memory is not reused before the copy is done; under a
-memory cap, such a buffer the allocator needs costs a host synchronization. Nothing here waits on
+offload with no release: the plan allocates before any op after the copy, e.g. its own prefetch)
+``record_stream`` tells the allocator that a side stream still uses a buffer, so its memory is not
+reused before the copy is done; under a memory cap, such a buffer the allocator needs costs a host
+synchronization. Nothing here waits on
 the host: ordering is by events between streams. On CPU the same ops are plain host copies, so
 rewritten graphs run (and are tested) on any machine.
 """

@@ -154,32 +154,35 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
 
 
 def release_points(graph: StepGraph, schedule: Schedule, timeline: Timeline) -> dict[ActivationId, OpId]:
-    """Swapped activation -> the forward op before which its device buffer is released in stream
-    order (the compute stream waits for the offload's copy, then the buffer is free to reuse).
+    """Swapped activation -> the op of its graph pair (forward or backward) before which its device
+    buffer is released in stream order (the compute stream waits for the offload's copy, then the
+    buffer is free to reuse).
 
-    It is the first op of the activation's forward graph after the buffer's last reader that
-    ``timeline`` starts no earlier than the copy ends: where the simulated memory has the buffer
-    freed already, so releasing there changes no allocation the plan counted, and the wait costs
-    nothing when the copy runs as simulated. An activation whose copy ends after its forward
-    graph's last op has started has none; its buffer is freed when the copy ends, as simulated
-    (the runtime's ``record_stream``)."""
+    It is the first op after the buffer's last reader that ``timeline`` starts no earlier than the
+    copy ends, where the simulated memory has the buffer freed already, so releasing there changes
+    no allocation the plan counted, and the wait costs nothing when the copy runs as simulated. An
+    activation has none where the first instruction from then on that runs an op or allocates is
+    not an op of its pair's graphs (another pair's op, a recomputation, a prefetch: its own
+    included); its buffer is freed when the copy ends, as simulated (the runtime's ``record_stream``).
+
+    The forward's last offloads, queued behind the others on one link, often end after it: their
+    release is then in the backward, before its first op once they are copied."""
     instrs, start, last_reader = schedule.instrs, timeline.start, schedule.last_reader
-    RUN = Kind.RUN
+    RUN, OFFLOAD, WAIT = Kind.RUN, Kind.OFFLOAD, Kind.WAIT
     points: dict[ActivationId, OpId] = {}
     for j, ins in enumerate(instrs):
-        if ins.kind is not Kind.OFFLOAD:
+        if ins.kind is not OFFLOAD:
             continue
-        lo, hi = graph.forward_range[graph.activations[ins.act].graph]
+        g = graph.activations[ins.act].graph
+        (flo, fhi), (blo, bhi) = graph.forward_range[g], graph.backward_range[g]
         copied = timeline.d2h_end[ins.act]
         for i in range(max(j, last_reader[ins.reads[0]]) + 1, len(instrs)):
             op = instrs[i]
-            if op.kind is not RUN:
+            if op.kind is OFFLOAD or op.kind is WAIT or start[i] < copied:  # no allocation, or before the copy ends
                 continue
-            if not lo <= op.op < hi:
-                break
-            if start[i] >= copied:
+            if op.kind is RUN and (flo <= op.op < fhi or blo <= op.op < bhi):
                 points[ins.act] = op.op
-                break
+            break
     return points
 
 

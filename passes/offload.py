@@ -6,7 +6,7 @@ recomputed one an empty tensor (``fxpooch.drop``), so the device storage dies at
 forward use. Where the plan has a swapped activation's copy done before an op of the forward
 (``releases``: :func:`fxpooch.simulator.release_points`), ``fxpooch.release(host, slot)``
 before that op frees the device storage in stream order (``offload(..., released=True)`` holds
-it until then).
+it until then); a release the plan puts in the backward is made there (:mod:`.swapin`).
 """
 from __future__ import annotations
 
@@ -61,7 +61,10 @@ def rewrite_forward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTab
         for member in members:
             member.meta[META_KEY] = {"activation": act.name, "decision": decision.value}
     release_of: dict[fx.Node, fx.Node] = {}  # offload -> its release, which the forward returns instead
+    lo, hi = graph.forward_range[g]
     for a, offload in released:
+        if not lo <= releases[a] < hi:  # released in the backward (:mod:`.swapin`)
+            continue
         member, slot = offload.args
         with new_graph.inserting_before(env[table.nodes[releases[a]]]):
             node = new_graph.create_node("call_function", torch.ops.fxpooch.release.default, (offload, slot),

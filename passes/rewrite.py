@@ -21,12 +21,12 @@ class RewrittenPair:
 
 def rewrite_pair(g: int, graph: StepGraph, table: NodeTable, schedule: Schedule,
                  releases: dict[int, int] | None = None) -> RewrittenPair:
-    """Graph pair ``g`` rewritten for ``schedule``; ``releases`` (swapped activation -> forward op, from
+    """Graph pair ``g`` rewritten for ``schedule``; ``releases`` (swapped activation -> op, from
     :func:`fxpooch.simulator.release_points`): where each offloaded buffer is freed in stream order
     (None or absent: when its copy ends, ``record_stream``)."""
     pair = table.pairs[g]
     slots = swap_slots(graph, schedule)
     return RewrittenPair(
         rewrite_forward(pair.forward, g, graph, table, schedule, slots, releases or {}),
-        rewrite_backward(pair.backward, g, graph, table, schedule, slots),
+        rewrite_backward(pair.backward, g, graph, table, schedule, slots, releases or {}),
     )

@@ -1,7 +1,8 @@
 """Backward pass: prefetch / wait for swapped activations, recompute subgraphs before first use.
 
 The backward graph is re-emitted in the schedule's order: a ``fxpooch.prefetch`` at its
-planned position, a ``fxpooch.wait`` just before the first reader (both name the host copy's
+planned position (after the ``fxpooch.release`` of an offloaded buffer the plan frees in the
+backward), a ``fxpooch.wait`` just before the first reader (both name the host copy's
 slot, the one its ``fxpooch.offload`` wrote), and each recompute segment's
 forward ops (copied, renamed ``re_*``) just before the first reader of the activation it is
 emitted for; the recomputed activations it rebuilds (``Schedule.materialises``) die after their
@@ -21,7 +22,10 @@ from .slots import copied_first, view_of_copy
 
 
 def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTable,
-                     schedule: Schedule, slots: dict[int, int]) -> fx.GraphModule:
+                     schedule: Schedule, slots: dict[int, int], releases: dict[int, int]) -> fx.GraphModule:
+    """A new backward GraphModule for graph ``g`` in the schedule's order; ``releases`` (swapped
+    activation -> op): those before one of its ops release the offloaded device buffer there, from
+    the host copy that the prefetch then reads."""
     new = fx.Graph()
     env: dict[int, fx.Node] = {}  # op id -> value in the new graph
     host: dict[int, fx.Node] = {}  # swapped member op id -> its host-copy placeholder
@@ -44,6 +48,10 @@ def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTa
                 host[m] = env[m]
 
     start, stop = graph.backward_range[g]
+    released_before: dict[int, list[int]] = {}  # op -> the swapped activations released before it
+    for a, op in releases.items():
+        if start <= op < stop:
+            released_before.setdefault(op, []).append(a)
     chain_env: dict[int, dict[int, fx.Node]] = {}
     for ins in schedule.instrs:
         if ins.kind is Kind.RUN and not (start <= ins.op < stop):
@@ -94,6 +102,15 @@ def rewrite_backward(gm: fx.GraphModule, g: int, graph: StepGraph, table: NodeTa
                     for m in members:
                         env[m] = local[m]
         else:
+            for a in released_before.get(ins.op, ()):
+                act = graph.activations[a]
+                for i in copied_first(act):
+                    m = act.members[i]
+                    if act.view_of[i] == i:  # a member with an offload of its own
+                        r = new.create_node("call_function", torch.ops.fxpooch.release.default, (host[m], slots[m]),
+                                            name=f"release_{table.nodes[m].name}")
+                        r.meta[META_KEY] = {"activation": act.name, "decision": "swap"}
+                        host[m] = r
             node = table.nodes[ins.op]
             if node.op == "placeholder":
                 continue

@@ -40,7 +40,18 @@ CASES = [
     ("unknown-hardware", linear, None, "1GiB", {"profile": "analytic", "hardware": "tpu"}, fxpooch.UnknownName,
      "v100-pcie3"),
     ("bad-profile", linear, None, "1GiB", {"profile": "nonsense"}, fxpooch.InvalidProfile, "'measure'"),
+    # a planner passed as a function that ignores the limit: its plan is refused, not run above it
+    ("planner-over-limit", linear, None, 1, {"planner": lambda problem: in_core(problem)}, fxpooch.InvalidOption,
+     "within Problem.mem_limit"),
 ]
+
+
+def in_core(problem):
+    """Every activation kept, whatever the limit."""
+    from fxpooch.planners import Evaluator
+    from fxpooch.schedule import Decision
+
+    return Evaluator(problem).evaluate([Decision.KEEP] * len(problem.graph.activations))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -316,6 +316,60 @@ def test_release_frees_an_offloaded_buffer_where_the_plan_has_its_copy_done():
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
 
 
+RELEASE_BACKWARD = """\
+    detach_3 = torch.ops.aten.detach.default(detach_2);  detach_2 = None
+    release_relu = torch.ops.fxpooch.release.default(relu, 0);  relu = None
+    threshold_backward = torch.ops.aten.threshold_backward.default(tangents_1, detach_3, 0);  tangents_1 = detach_3 = None
+    t_3 = torch.ops.aten.t.default(t_2);  t_2 = None
+    release_relu_1 = torch.ops.fxpooch.release.default(relu_1, 1);  relu_1 = None
+    mm = torch.ops.aten.mm.default(threshold_backward, t_3);  t_3 = None
+    t_4 = torch.ops.aten.t.default(threshold_backward)
+    prefetch_relu_1 = torch.ops.fxpooch.prefetch.default(release_relu_1, device(type='cpu'), 1);  release_relu_1 = None"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the CPU variant runs the same graphs"))])
+def test_a_release_in_the_backward_comes_before_its_op_and_feeds_the_prefetch(device: str):
+    """Where an offload's copy ends after the forward, the plan may release its buffer in the
+    backward (:func:`fxpooch.simulator.release_points`): the forward offloads it held and returns
+    the host copy itself, and the backward releases it before the op, from the host copy the prefetch
+    then reads. Run op by op, the graphs give eager's gradients and leave no slot or block behind."""
+    from fxpooch import runtime
+    from fxpooch.passes import rewrite_pair
+    from fxpooch.planners import Problem
+    from fxpooch.simulator import release_points
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[layer for _ in range(3) for layer in (nn.Linear(512, 512), nn.ReLU())]).to(device)
+    x = torch.randn(512, 512, device=device)
+    step = fxpooch.trace_step(model, (x,))
+    g = step.graph
+    costs = fxpooch.profile_step(step, "analytic", hardware="v100-pcie3").costs(g)
+    # under 9 MiB the prefetches wait for the backward's first ops (the peak, in the forward, is 11 MiB:
+    # the schedule of these decisions, not a plan within 9 MiB); each 1 MiB copy (87 us) ends after the forward
+    swapped = [Decision.SWAP if a.name in ("relu", "relu_1") else Decision.KEEP for a in g.activations]
+    cand = Evaluator(Problem(g, costs, 9 * MiB)).evaluate(swapped)
+    releases = release_points(g, cand.schedule, cand.timeline)
+    assert {g.activations[a].name: g.ops[o].name for a, o in releases.items()} == {
+        "relu": "threshold_backward", "relu_1": "mm"}
+    rewritten = rewrite_pair(0, g, step.table, cand.schedule, releases)
+    forward, backward = code(rewritten.forward), code(rewritten.backward)
+    assert "fxpooch.release" not in forward and forward.count("released = True") == 2
+    if device == "cpu":
+        assert backward[backward.index("    detach_3 = "):backward.index("\n    wait_relu_1")] == RELEASE_BACKWARD
+
+    params = [p.detach() for p in model.parameters()]
+    primals = [params[0], params[1], x, *params[2:]]
+    outs = torch.fx.Interpreter(rewritten.forward).run(*primals)
+    grads = torch.fx.Interpreter(rewritten.backward).run(*outs[1:], torch.ones_like(outs[0]))
+    assert not runtime.DEFAULT.slots and not runtime.DEFAULT.pool.in_use and not runtime.DEFAULT.incoming
+    model(x).sum().backward()
+    expected = [p.grad for p in model.parameters()]
+    exact = {"rtol": 0, "atol": 0} if device == "cpu" else {}
+    for got, want in zip((t for t in grads if t is not None), expected, strict=True):
+        torch.testing.assert_close(got, want, **exact)
+
+
 def test_rewritten_graphs_run_op_by_op_on_the_default_state():
     """The graphs are ordinary FX: an Interpreter runs them node by node, outside the compiled
     module, on ``fxpooch.runtime.DEFAULT``; the backward's gradients are the compiled module's."""

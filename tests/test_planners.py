@@ -67,22 +67,25 @@ def test_copies_on_the_compute_stream_add_to_the_step():
     assert serial.d2h_end[0] == 2.0 and serial.forward_end == 4.0  # f2 waits for the offload
 
 
-@pytest.mark.parametrize("d2h, decisions, serial, releases", [
-    # f1 0-1 then f2 1-2, f3 2-3, f4 3-4; a1's last forward reader is f2 (op 2).
-    (0.5, [S, K, K, K], False, {0: 3}),  # copied by 1.5: released before f3, the first op after f2
-    (1.0, [S, K, K, K], False, {0: 3}),  # copied at 2.0, when f3 starts
-    (1.5, [S, K, K, K], False, {0: 4}),  # copied at 2.5: f3 starts before, f4 after
-    (2.5, [S, K, K, K], False, {}),  # copied at 3.5, after f4 (the last forward op) starts: record_stream
-    (1.5, [S, K, K, K], True, {0: 3}),  # a CPU host copies first (f2 waits): done before f3
+@pytest.mark.parametrize("d2h, decisions, serial, limit, releases", [
+    # f1 0-1 then f2 1-2, f3 2-3, f4 3-4, g4 4-5...; a1's last forward reader is f2 (op 2).
+    (0.5, [S, K, K, K], False, BIG, {0: 3}),  # copied by 1.5: released before f3, the first op after f2
+    (1.0, [S, K, K, K], False, BIG, {0: 3}),  # copied at 2.0, when f3 starts
+    (1.5, [S, K, K, K], False, BIG, {0: 4}),  # copied at 2.5: f3 starts before, f4 after
+    # copied at 3.5, after f4 (the last forward op) starts: its own prefetch comes first (with g4): record_stream
+    (2.5, [S, K, K, K], False, BIG, {}),
+    (2.5, [S, K, K, K], False, 4 * MiB, {0: 5}),  # under 4 MiB its prefetch waits for g3: released before g4
+    (1.5, [S, K, K, K], True, BIG, {0: 3}),  # a CPU host copies first (f2 waits): done before f3
     # a2 (last read by f3) copies after a1 on the one D2H stream: 2.0-3.0, released before f4
-    (1.0, [S, S, K, K], False, {0: 3, 1: 4}),
-    (0.5, [R, S, K, K], False, {1: 4}),  # a recomputed activation has no copy to wait for
+    (1.0, [S, S, K, K], False, BIG, {0: 3, 1: 4}),
+    (0.5, [R, S, K, K], False, BIG, {1: 4}),  # a recomputed activation has no copy to wait for
 ])
-def test_release_points(d2h, decisions, serial, releases):
-    """A swapped buffer is released before the first forward op after its last reader that starts
-    no earlier than its copy ends (where the simulation has it freed already); none within the forward: none."""
+def test_release_points(d2h, decisions, serial, limit, releases):
+    """A swapped buffer is released before the first op of its graphs after its last reader that
+    starts no earlier than its copy ends (where the simulation has it freed already); none where a
+    prefetch comes first."""
     graph, costs = chain([1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [(d2h, 1.0), (1, 1), (1, 1), (1, 1)])
-    cand = evaluator(graph, dataclasses.replace(costs, serial_copies=serial)).evaluate(decisions)
+    cand = evaluator(graph, dataclasses.replace(costs, serial_copies=serial), limit).evaluate(decisions)
     assert release_points(graph, cand.schedule, cand.timeline) == releases
 
 
