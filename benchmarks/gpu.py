@@ -228,8 +228,9 @@ def attempt(row: dict[str, Any], thunk: Callable[[], dict[str, Any] | None]) -> 
 
 
 # -- methods ------------------------------------------------------------------------------------
-#: run in passes over all configurations (3x first), so the time budget cuts the least important
-#: fxpooch rows are "fxpooch:<planner>", or "fxpooch:<planner> <codegen>" for a code generator but the
+#: run in passes, each method over all configurations (3x first) before the next method, so the time
+#: budget cuts the least important (on an H200, inductor's ResNet-50 row once took 270 s of a 265 s
+#: budget, before GPT-2 had a row); fxpooch rows are "fxpooch:<planner>", or "fxpooch:<planner> <codegen>" for a code generator but the
 #: default one (``fxpooch.codegen.CODEGENS``)
 LEAD = "local"  # the default planner: first in every pass, and the one run with inductor too
 INDUCTOR_LEAD = f"fxpooch:{LEAD} {CODEGENS[1]}"
@@ -257,9 +258,9 @@ class Run:
 
     def run(self, cfgs: list[Config]) -> list[dict[str, Any]]:
         passes = [*PASSES, [f"fxpooch:{p}" for p in self.planners[1:]]]  # then the other planners
-        for names in passes:
-            for cfg in cfgs:
-                for name in names:
+        for names in passes:  # each method for every configuration before the next method
+            for name in names:
+                for cfg in cfgs:
                     row = {"config": cfg.name, "model": cfg.model, "dtype": cfg.dtype, "batch": cfg.batch,
                            "ratio": cfg.ratio, "limit": cfg.limit, "method": name, "status": "skipped (time budget)"}
                     self.rows[cfg, name] = row
