@@ -172,6 +172,7 @@ def timed_steps(fn: Callable, model: nn.Module, inputs: tuple, dtype: str, cap: 
             step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()  # parameters, inputs and what earlier steps left (workspaces)
         before = allocator_counts()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(steps)]
         issued = []
@@ -186,7 +187,7 @@ def timed_steps(fn: Callable, model: nn.Module, inputs: tuple, dtype: str, cap: 
         after = allocator_counts()
         out = {"status": "ok", "step_s": statistics.median(times), "steps_s": times,
                "issue_s": statistics.median(issued), "peak": torch.cuda.max_memory_allocated(),
-               "reserved": torch.cuda.max_memory_reserved(), "allocator": {k: after[k] - before[k] for k in ALLOCATOR_COUNTS}}
+               "reserved": torch.cuda.max_memory_reserved(), "held": held, "allocator": {k: after[k] - before[k] for k in ALLOCATOR_COUNTS}}
         if trace is not None:  # after the measured steps: a trace that fails loses none of them
             try:
                 out.update(streams=trace_step(step, trace), trace=str(trace))

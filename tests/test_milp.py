@@ -3,6 +3,7 @@ vector, or the exact search), never below the cut bound, and near the optimum at
 the cut bound is not."""
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -15,8 +16,8 @@ from test_search import GRAPHS, at_fraction, brute_force, problem
 from zoo import MiB
 
 pytest.importorskip("scipy")
-from fxpooch.planners.lp import lp_lower_bound  # noqa: E402
-from fxpooch.planners.milp import milp_lower_bound  # noqa: E402
+from fxpooch.planners.lp import lp_lower_bound, relaxation  # noqa: E402
+from fxpooch.planners.milp import MilpBound, milp_lower_bound  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(GRAPHS))
@@ -44,6 +45,21 @@ def test_milp_is_near_the_optimum_at_the_floor(hardware, fraction):
     assert milp.bound <= optimum * (1 + 1e-9)
     assert milp.bound >= 0.94 * optimum
     assert lower_bound(Evaluator(prob)) < 0.65 * optimum
+
+
+def test_a_model_past_its_nonzeros_keeps_the_cut_bound(caplog):
+    """The relaxation grows about as activations^3 (GPT-2 at 12 layers did not fit in 24 GB): past
+    ``max_nonzeros`` it stops while built, and both bounds are the cut bound, with a warning."""
+    prob = problem("mlp", 0.0, "v100-pcie3")
+    cut = lower_bound(Evaluator(prob))
+    size = relaxation(Bounds(Evaluator(prob))).nonzeros
+    assert lp_lower_bound(Evaluator(prob), max_nonzeros=size) > cut  # the whole model: tighter
+    with caplog.at_level(logging.WARNING, logger="fxpooch.planner"):
+        assert lp_lower_bound(Evaluator(prob), max_nonzeros=size - 1) == cut
+        assert milp_lower_bound(Evaluator(prob), max_nonzeros=size - 1) == MilpBound(cut, False, None)
+    assert [r.message.split(";")[0] for r in caplog.records] == [
+        f"LP relaxation: more than {size - 1} nonzeros ({len(prob.graph.activations)} activations)",
+        f"MILP: more than {size - 1} nonzeros ({len(prob.graph.activations)} activations)"]
 
 
 def test_rebuild_bytes_count_what_only_the_chain_makes():

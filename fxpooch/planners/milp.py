@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .bounds import Bounds
 from .common import Evaluator
-from .lp import relaxation, solve
+from .lp import MAX_NONZEROS, ModelTooLarge, relaxation, solve
 
 log = logging.getLogger("fxpooch.planner.milp")
 
@@ -29,15 +29,21 @@ class MilpBound:
     seconds: float | None  # the MILP's best point's objective (None: none found); not a bound
 
 
-def milp_lower_bound(ev: Evaluator, time_limit: float | None = 60.0) -> MilpBound:
-    """The MILP's bound, never below the cut bound; ``time_limit``: HiGHS's wall-clock seconds.
+def milp_lower_bound(ev: Evaluator, time_limit: float | None = 60.0,
+                     max_nonzeros: int | None = MAX_NONZEROS) -> MilpBound:
+    """The MILP's bound, never below the cut bound; ``time_limit``: HiGHS's wall-clock seconds; the
+    cut bound alone where the model would pass ``max_nonzeros`` (:data:`.lp.MAX_NONZEROS`).
 
     Raises ImportError without scipy."""
     bounds = Bounds(ev)
     cut_bound = bounds.bound()
     if cut_bound == math.inf:
         return MilpBound(math.inf, True, None)
-    model = relaxation(bounds)
+    try:
+        model = relaxation(bounds, max_nonzeros=max_nonzeros)
+    except ModelTooLarge as e:
+        log.warning("MILP: %s (%d activations); the cut bound only", e, len(ev.graph.activations))
+        return MilpBound(cut_bound, False, None)
     res = solve(model, integral=True, time_limit=time_limit)
     if res.status == 2:  # infeasible: no integral choice of evictions meets every point
         return MilpBound(math.inf, True, None)
