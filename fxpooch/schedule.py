@@ -296,11 +296,12 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         persistent.extend([False] * len(fresh))
         last.extend([-1] * (len(inst_bytes) - len(last)))
         first.extend([-1] * (len(inst_bytes) - len(first)))
-        sees = own.get
+        sees, owned, seen = own.get, own.__getitem__, view.__getitem__  # mapped: no comprehension frames
         i = len(instrs)
         for o in chain:
-            new = tuple([own[buf] for buf in allocs[o]])
-            read = tuple([sees(buf, view[buf]) for buf in recompute_reads[o]])
+            new = tuple(map(owned, allocs[o]))
+            read = recompute_reads[o]
+            read = tuple(map(sees, read, map(seen, read)))
             instrs.append(make_instr(Instr, (RECOMPUTE, o, b, new, read)))
             for x in new:
                 if first[x] < 0:
@@ -339,7 +340,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
                     recompute_instrs(b)
             i = len(instrs)
             new = allocs[op_id]
-            read = tuple([view[buf] for buf in reads[op_id]])
+            read = tuple(map(view.__getitem__, reads[op_id]))
             instrs.append(make_instr(Instr, (RUN, op_id, -1, new, read)))
             for x in new:
                 if first[x] < 0:
