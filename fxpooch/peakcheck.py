@@ -262,8 +262,9 @@ def fitting(plan: Plan, *, rounds: int, planner: str | Planner, margin: Margin,
     ``rounds`` times, and last the planner's most frugal plan (:func:`most_frugal`). ``calibrate``:
     the first step measured to its end scales the costs (:func:`calibrated`, the memory kept free so
     far still kept free); a plan whose schedule that changes is measured in its turn (not a round),
-    and where it does not fit, a plan measured before it that did is returned. Raises :class:`InfeasibleMemoryLimit` naming the smallest
-    limit whose margin leaves room for the lowest measured peak when none fits."""
+    and where it does not fit, a plan measured before it that did is returned. Raises
+    :class:`InfeasibleMemoryLimit` naming the smallest limit whose margin leaves room for the lowest
+    measured peak when none fits."""
     limit = plan.mem_limit
     target = limit - margin.of(limit)
     tried: list[Measured] = []

@@ -20,9 +20,8 @@ its ``wait``, so it is freed in stream order after its last reader, as any other
 offload with no release: the plan allocates before any op after the copy, e.g. its own prefetch)
 ``record_stream`` tells the allocator that a side stream still uses a buffer, so its memory is not
 reused before the copy is done; under a memory cap, such a buffer the allocator needs costs a host
-synchronization. Nothing here waits on
-the host: ordering is by events between streams. On CPU the same ops are plain host copies, so
-rewritten graphs run (and are tested) on any machine.
+synchronization. Nothing here waits on the host: ordering is by events between streams. On CPU the
+same ops are plain host copies, so rewritten graphs run (and are tested) on any machine.
 """
 from __future__ import annotations
 
