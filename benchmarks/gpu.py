@@ -231,8 +231,8 @@ def attempt(row: dict[str, Any], thunk: Callable[[], dict[str, Any] | None]) -> 
 # -- methods ------------------------------------------------------------------------------------
 #: run in passes, each method over all configurations (3x first) before the next method, so the time
 #: budget cuts the least important (on an H200, inductor's ResNet-50 row once took 270 s of a 265 s
-#: budget, before GPT-2 had a row); fxpooch rows are "fxpooch:<planner>", or "fxpooch:<planner> <codegen>" for a code generator but the
-#: default one (``fxpooch.codegen.CODEGENS``)
+#: budget, before GPT-2 had a row); fxpooch rows are "fxpooch:<planner>", or "fxpooch:<planner>
+#: <codegen>" for a code generator but the default one (``fxpooch.codegen.CODEGENS``)
 LEAD = "local"  # the default planner: first in every pass, and the one run with inductor too
 INDUCTOR_LEAD = f"fxpooch:{LEAD} {CODEGENS[1]}"
 PASSES = (("in-core", "torch.compile", f"fxpooch:{LEAD}", INDUCTOR_LEAD),

@@ -68,7 +68,7 @@ log = logging.getLogger("fxpooch.planner.lp")
 #: nonzeros past which :func:`lp_lower_bound` and :func:`~.milp.milp_lower_bound` stop building the
 #: model and keep the cut bound. The model grows about as activations^3 and takes about 240 bytes a
 #: nonzero while built: GPT-2 at 6 layers (137 activations) 10M nonzeros and 2.5 GB, 8 layers (181)
-#: 23M and 5.5 GB; 12 layers (269) did not fit in 24 GB.
+#: 23M and 5.5 GB; 12 layers (247 activations, on a GPU's measured profile) did not fit in 24 GB.
 MAX_NONZEROS = 16_000_000
 
 
