@@ -158,6 +158,17 @@ class Families:
     chain_work: bool = True  # every op of a recomputed activation's shortest chain runs, after each point it is evicted at
     chain_deadlines: bool = True  # a swap read by a recompute chain is back before the chain runs
     issue_order: bool = True  # prefetches leave in the order they are first needed (issue_order.py)
+    covers: bool = True  # the candidates every cover of a point's bytes needs, and how many it needs
+
+    @classmethod
+    def none(cls) -> Families:
+        """The model without any of them: its points' memory and the rebuilds."""
+        return cls(**{f: False for f in cls.__dataclass_fields__})
+
+
+#: the families whose size grows as the points times their candidates, as the model without them
+#: does (the others grow about as activations^3): what a large graph's bound falls back to
+CORE = Families(chain_reads=False, chain_work=False, chain_deadlines=False, issue_order=False)
 
 
 def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: int | None = None) -> Model:
@@ -251,11 +262,17 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
             for a, nbytes, held in p.heads:  # a's own chain: its bytes, its inputs on the device
                 model.ge([*((j, float(bounds.nbytes[b])) for b, j in s_vars + r_vars if b not in held),
                           (y[a], -float(p.excess + nbytes))], 0.0)
+                if families.covers:
+                    _covers(model, bounds, s_vars + r_vars, p.excess + nbytes, y[a], set(held))
         elif p.group:
             for a in p.rebuilt:
                 model.ge([*cover, (y[a], -float(p.excess + p.rebuild))], 0.0)
+                if families.covers:
+                    _covers(model, bounds, s_vars + r_vars, p.excess + p.rebuild, y[a])
         else:
             model.ge(cover, p.excess)
+            if families.covers:
+                _covers(model, bounds, s_vars + r_vars, p.excess, None)
         # D2H: the evicted swaps' copies end by θ (at a cut; a rebuild point's evictions are later)
         if not p.group:
             prev = None
@@ -321,6 +338,34 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
     if families.chain_work:
         chain_work(bounds, model, x, points, theta, prefix, suffix, evicted_recompute, sigma, reruns, rec)
     return model
+
+
+def _covers(model: Model, bounds: Bounds, evictions: list[tuple[int, int]], need: int,
+            indicator: int | None, held: set[int] = frozenset()) -> None:
+    """A point's evictions cover ``need`` bytes (where ``indicator`` is 1; always if None): an
+    evictee is whole, so each candidate without which the rest fall short is evicted, and at least
+    as many candidates as the largest ones that cover it (the LP's fractions of many do not)."""
+    by = {}
+    for a, j in evictions:
+        if a not in held:
+            by.setdefault(a, []).append(j)
+    sizes = sorted((bounds.nbytes[a] for a in by), reverse=True)
+    total = sum(sizes)
+    if need <= 0 or total < need:
+        return
+    lhs = [(indicator, -1.0)] if indicator is not None else []
+    rhs = 0.0 if indicator is not None else 1.0
+    for a, js in by.items():
+        if total - bounds.nbytes[a] < need:
+            model.ge([*((j, 1.0) for j in js), *lhs], rhs)
+    count, acc = 0, 0
+    for size in sizes:
+        count, acc = count + 1, acc + size
+        if acc >= need:
+            break
+    if count > 1:
+        model.ge([*((j, 1.0) for js in by.values() for j in js),
+                  *(((indicator, -float(count)),) if indicator is not None else ())], 0.0 if indicator is not None else float(count))
 
 
 def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
@@ -391,8 +436,10 @@ def solve(model: Model, integral: bool = False, time_limit: float | None = None)
 
 def lp_lower_bound(ev: Evaluator, max_nonzeros: int | None = MAX_NONZEROS) -> float:
     """The LP relaxation's bound, never below ``bounds.lower_bound`` (its cut bound is kept when
-    larger, and returned alone where scipy is missing, the LP fails or its model would pass
-    ``max_nonzeros``)."""
+    larger, and returned alone where scipy is missing, the LP fails or even the model with
+    :data:`CORE` would pass ``max_nonzeros``), after probing (:mod:`.probing`)."""
+    from .probing import NoPlanFits, probed_relaxation
+
     bounds = Bounds(ev)
     cut_bound = bounds.bound()
     try:
@@ -403,10 +450,12 @@ def lp_lower_bound(ev: Evaluator, max_nonzeros: int | None = MAX_NONZEROS) -> fl
     if cut_bound == math.inf:
         return cut_bound
     try:
-        model = relaxation(bounds, max_nonzeros=max_nonzeros)
+        model = probed_relaxation(bounds, max_nonzeros=max_nonzeros)
     except ModelTooLarge as e:
         log.warning("LP relaxation: %s (%d activations); the cut bound only", e, len(ev.graph.activations))
         return cut_bound
+    except NoPlanFits:
+        return math.inf
     res = solve(model)
     if res.status == 2:  # infeasible: no split of the evictions meets every point
         return math.inf

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from .bounds import Bounds
 from .common import Evaluator
-from .lp import MAX_NONZEROS, ModelTooLarge, relaxation, solve
+from .lp import MAX_NONZEROS, ModelTooLarge, solve
+from .probing import NoPlanFits, probed_relaxation
 
 log = logging.getLogger("fxpooch.planner.milp")
 
@@ -40,10 +41,12 @@ def milp_lower_bound(ev: Evaluator, time_limit: float | None = 60.0,
     if cut_bound == math.inf:
         return MilpBound(math.inf, True, None)
     try:
-        model = relaxation(bounds, max_nonzeros=max_nonzeros)
+        model = probed_relaxation(bounds, max_nonzeros=max_nonzeros)
     except ModelTooLarge as e:
         log.warning("MILP: %s (%d activations); the cut bound only", e, len(ev.graph.activations))
         return MilpBound(cut_bound, False, None)
+    except NoPlanFits:
+        return MilpBound(math.inf, True, None)
     res = solve(model, integral=True, time_limit=time_limit)
     if res.status == 2:  # infeasible: no integral choice of evictions meets every point
         return MilpBound(math.inf, True, None)

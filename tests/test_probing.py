@@ -1,0 +1,85 @@
+"""Probing (``fxpooch.planners.probing``): a decision it rules out is taken by no fitting plan
+(brute force over every decision vector is the oracle), and ruling it out lifts the LP."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fxpooch.planners import Evaluator
+from fxpooch.planners.bounds import Bounds
+from test_search import FRACTIONS, GRAPHS, at_fraction, brute_force, problem
+
+pytest.importorskip("scipy")
+from fxpooch.planners.lp import CORE, Families, lp_lower_bound, relaxation, solve  # noqa: E402
+from fxpooch.planners.probing import NoPlanFits, probe, probed_relaxation  # noqa: E402
+
+
+def _ruled_out(prob) -> list[tuple[str, int]] | None:
+    """The (decision letter, activation) pairs probing rules out; None where no plan fits."""
+    model = relaxation(Bounds(Evaluator(prob)), Families.none())
+    try:
+        fixed = set(probe(model, [j for (d, _), j in model.decisions.items() if d in "kr"]))
+    except NoPlanFits:
+        return None
+    return sorted(key for key, j in model.decisions.items() if j in fixed)
+
+
+def _rows():
+    for name in sorted(GRAPHS):
+        for fraction in FRACTIONS:
+            yield name, fraction, lambda name=name, fraction=fraction: at_fraction(*GRAPHS[name](), fraction)
+    for hardware in ("v100-pcie3", "h100-pcie5"):
+        for point in (0.0, 0.5):
+            yield f"mlp {hardware}", point, lambda hardware=hardware, point=point: problem("mlp", point, hardware)
+
+
+#: what probing rules out where it rules out anything
+RULED_OUT = {
+    ("branchy", 0.9): [("k", 1)],
+    ("chain4-slow", 0.6): [("k", 0), ("k", 1)],
+    ("chain5-fast", 0.45): [("k", 0), ("k", 1), ("k", 2)],
+    ("chain5-fast", 0.6): [("k", 0), ("k", 2)],
+    ("chain6-mixed", 0.45): [("k", 0), ("k", 1), ("k", 2), ("k", 3), ("r", 1)],
+    ("chain6-mixed", 0.6): [("k", 1)],
+    ("mlp v100-pcie3", 0.0): [("k", 0), ("k", 1), ("r", 0)],
+    ("mlp h100-pcie5", 0.0): [("k", 0), ("k", 1), ("r", 0)],
+}
+
+
+@pytest.mark.parametrize("name, fraction, make", list(_rows()), ids=lambda v: str(v) if not callable(v) else "")
+def test_no_fitting_plan_takes_a_ruled_out_decision(name, fraction, make):
+    prob = make()
+    fitting = brute_force(prob)
+    if Bounds(Evaluator(prob)).bound() == math.inf:  # the cut bound already says none fits
+        assert not fitting
+        return
+    ruled_out = _ruled_out(prob)
+    if ruled_out is None:
+        assert not fitting
+        return
+    for decisions in fitting:
+        assert not [(d, a) for d, a in ruled_out if decisions[a].value[0] == d], decisions
+    assert ruled_out == RULED_OUT.get((name, fraction), [])
+
+
+@pytest.mark.parametrize("hardware, before", [("v100-pcie3", 0.6444), ("h100-pcie5", 0.7117)])
+def test_probing_lifts_the_lp_to_the_optimum_at_the_mlp_floor(hardware, before):
+    """The MLP at its floor: only swaps fit the first two ReLUs (a recompute's chain needs an extra
+    4 MiB while it runs, a keep more than the limit), and the fastest plan keeps the last one. The
+    LP recomputes a part of the first ReLU, which needs only that part of the chain's memory;
+    probing rules the recompute out, and the keeps, and the LP meets the optimum."""
+    prob = problem("mlp", 0.0, hardware)
+    optimum = min(brute_force(prob).values())
+    model = relaxation(Bounds(Evaluator(prob)))
+    assert solve(model).fun * model.unit / optimum == pytest.approx(before, abs=1e-4)
+    assert lp_lower_bound(Evaluator(prob)) == pytest.approx(optimum, rel=1e-9)
+
+
+def test_a_model_past_its_nonzeros_falls_back_to_the_families_that_scale():
+    prob = problem("mlp", 0.0, "v100-pcie3")
+    bounds = Bounds(Evaluator(prob))
+    full, core, bare = (relaxation(bounds, f).nonzeros for f in (Families(), CORE, Families.none()))
+    assert bare < core < full
+    assert [probed_relaxation(bounds, max_nonzeros=size).nonzeros for size in (full, full - 1, core - 1)] == [
+        full, core, bare]
