@@ -37,8 +37,11 @@ PRESETS = ("v100-pcie3", "v100-nvlink2", "h100-pcie5")
 POINTS = (0.0, 0.25, 0.5, 0.75)  # limit = floor + point * (in-core - floor)
 GPT2_DEPTHS_FULL = (2, 6, 12, 24, 48)
 GPT2_DEPTHS_QUICK = (2, 6)
-#: graphs up to this many activations get the LP relaxation's bound, larger ones the cut bound
-LP_UP_TO = 60  # the LP (one timeline, rebuild points) takes minutes per limit at GPT-2 6L's 137 and bounds little better there
+#: graphs up to this many activations get the LP relaxation's bound after probing, larger ones
+#: the cut bound: at GPT-2 2L's 49 activations the LP takes one to two minutes at the floor; at 6L's
+#: 137, even without the families that grow as activations^3 (``lp.CORE``), HiGHS had not solved it
+#: after 30 minutes
+LP_UP_TO = 60
 #: the yardsticks: within this of the best plan; of the bound where the bound is tight
 BEST_TOLERANCE, BOUND_TOLERANCE = 0.10, 0.15
 
@@ -83,20 +86,47 @@ def plan_row(base: Plan, limit: int) -> dict:
         except InfeasibleMemoryLimit:
             row[p] = None
         row[f"{p}_s"] = time.process_time() - t0
-    t0 = time.process_time()
-    lp = len(base.graph.activations) <= LP_UP_TO
-    bound = (lp_lower_bound if lp else lower_bound)(Evaluator(problem_of(base, limit)))
-    row["bound_kind"] = "lp" if lp else "cut"
-    row["bound_s"] = time.process_time() - t0
-    row["bound"] = None if bound == math.inf else bound / in_core_time
     found = [row[p] for p in PLANNERS_COMPARED if row[p] is not None]
     row["best"] = min(found) if found else None
-    d = row[DEFAULT]
-    row["gap_to_best"] = None if d is None or row["best"] is None else d / row["best"] - 1
-    row["gap_to_bound"] = None if d is None or row["bound"] is None else d / row["bound"] - 1
     row["worse_than_reference"] = [p for p in ("swap-all", "checkpoint") if row[p] is not None
-                                   and (d is None or d > row[p] * (1 + 1e-9))]
+                                   and (row[DEFAULT] is None or row[DEFAULT] > row[p] * (1 + 1e-9))]
+    row.update(bound_columns(base, limit, row))
     return row
+
+
+def bound_columns(base: Plan, limit: int, row: dict) -> dict:
+    """The bound (the LP after probing on small graphs, the cut bound on the rest) relative to
+    in-core, its kind and CPU seconds, and the default planner's gaps to the best plan and to the
+    bound."""
+    kind = "lp" if len(base.graph.activations) <= LP_UP_TO else "cut"
+    t0 = time.process_time()
+    ev = Evaluator(problem_of(base, limit))
+    bound = lp_lower_bound(ev) if kind == "lp" else lower_bound(ev)
+    out = {"bound_kind": kind, "bound_s": time.process_time() - t0,
+           "bound": None if bound == math.inf else bound / base.in_core_time}
+    d = row[DEFAULT]
+    out["gap_to_best"] = None if d is None or row["best"] is None else d / row["best"] - 1
+    out["gap_to_bound"] = None if d is None or out["bound"] is None else d / out["bound"] - 1
+    return out
+
+
+def refresh_bounds(out: str, only: set[str]) -> list[dict]:
+    """The saved rows with the bound columns of the models in ``only`` made again (after the
+    bounds changed; the planners' columns stay)."""
+    with open(out) as f:
+        rows = json.load(f)["rows"]
+    for name, build in models(quick=False):
+        if name not in only:
+            continue
+        model, x = build()
+        for hw in PRESETS:
+            base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
+            for row in rows:
+                if row["model"] == name and row["hardware"] == hw:
+                    row.update(bound_columns(base, row["limit"], row))
+                    print(f"{name} {hw} {row['point']}: {row['bound_kind']} bound {row['bound']}, "
+                          f"{row['bound_s']:.1f} CPU s", file=sys.stderr, flush=True)
+    return rows
 
 
 def run(quick: bool, only: set[str] | None = None) -> list[dict]:
@@ -145,8 +175,8 @@ README_BEGIN, README_END = "<!-- planners-sweep: begin -->", "<!-- planners-swee
 def readme_table(rows: list[dict]) -> str:
     """Per model: the default planner's worst gaps over presets and limits (markdown)."""
     lines = [f"| model | ops | activations | limits fitted | worst gap to the best plan | worse than swap-all "
-             f"or checkpoint | worst gap to a tight bound | {DEFAULT} CPU s (max) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             f"or checkpoint | bound | worst gap to a tight bound | {DEFAULT} CPU s (max) |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         s = summary(mine)
@@ -156,7 +186,7 @@ def readme_table(rows: list[dict]) -> str:
 
         lines.append(f"| {model} | {mine[0]['ops']} | {mine[0]['activations']} | {s['default_fits']}/{s['rows']} | "
                      f"{pct(s['worst_gap_to_best'])} | {s['rows_worse_than_swap_all_or_checkpoint']} | "
-                     f"{pct(s['worst_gap_to_tight_bound'])} ({s['rows_with_tight_bound']} rows) | "
+                     f"{', '.join(sorted({r['bound_kind'] for r in mine}))} | {pct(s['worst_gap_to_tight_bound'])} ({s['rows_with_tight_bound']} rows) | "
                      f"{max(r[f'{DEFAULT}_s'] for r in mine):.1f} |")
     return "\n".join(lines)
 
@@ -229,10 +259,14 @@ def merged(rows: list[dict], out: str, names: list[str]) -> list[dict]:
     return sorted(kept + rows, key=lambda r: order[r["model"]])  # stable: presets and limits keep their order
 
 
-def main(quick: bool, out: str, only: set[str] | None = None) -> None:
-    rows = run(quick, only)
-    if only is not None:
-        rows = merged(rows, out, [name for name, _ in models(quick)])
+def main(quick: bool, out: str, only: set[str] | None = None, bounds_only: bool = False) -> None:
+    """``bounds_only``: the saved rows, the bounds of the models in ``only`` made again."""
+    if bounds_only:
+        rows = refresh_bounds(out, only or {name for name, _ in models(quick)})
+    else:
+        rows = run(quick, only)
+        if only is not None:
+            rows = merged(rows, out, [name for name, _ in models(quick)])
 
     def fmt(v):
         return "fails" if v is None else f"{v:.3f}x"
@@ -250,8 +284,15 @@ def main(quick: bool, out: str, only: set[str] | None = None) -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     command = "python benchmarks/planners.py --part sweep" + (" --quick" if quick else "") + (
         " --models <each model in turn>" if only is not None else "")
+    saved = {}
+    if bounds_only:
+        with open(out) as f:
+            saved = json.load(f)
+        command = saved["command"]
+        saved = {"bounds_command": "python benchmarks/planners.py --part sweep-bounds" + (
+            f" --models {','.join(sorted(only))}" if only else "")}
     with open(out, "w") as f:
-        json.dump({"simulated": True, "command": command, "summary": summ, "rows": rows}, f, indent=1)
+        json.dump({"simulated": True, "command": command, **saved, "summary": summ, "rows": rows}, f, indent=1)
     time_picture(rows, os.path.join(os.path.dirname(out), "planners_time.svg"))
     print(readme_table(rows))
     write_readme(os.path.join(os.path.dirname(__file__), "..", "README.md"), rows, command)

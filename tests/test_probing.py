@@ -8,21 +8,20 @@ import pytest
 
 from fxpooch.planners import Evaluator
 from fxpooch.planners.bounds import Bounds
+from fxpooch.schedule import Decision
 from test_search import FRACTIONS, GRAPHS, at_fraction, brute_force, problem
 
 pytest.importorskip("scipy")
 from fxpooch.planners.lp import CORE, Families, lp_lower_bound, relaxation, solve  # noqa: E402
-from fxpooch.planners.probing import NoPlanFits, probe, probed_relaxation  # noqa: E402
+from fxpooch.planners.probing import probe, probed_relaxation  # noqa: E402
 
 
-def _ruled_out(prob) -> list[tuple[str, int]] | None:
-    """The (decision letter, activation) pairs probing rules out; None where no plan fits."""
-    model = relaxation(Bounds(Evaluator(prob)), Families.none())
-    try:
-        fixed = set(probe(model, [j for (d, _), j in model.decisions.items() if d in "kr"]))
-    except NoPlanFits:
-        return None
-    return sorted(key for key, j in model.decisions.items() if j in fixed)
+def _ruled_out(prob) -> list[int]:
+    """The activations whose recompute probing rules out."""
+    bounds = Bounds(Evaluator(prob))
+    model = relaxation(bounds, Families.none())
+    fixed = set(probe(model, bounds))
+    return sorted(a for (_, a), j in model.decisions.items() if j in fixed)
 
 
 def _rows():
@@ -34,16 +33,12 @@ def _rows():
             yield f"mlp {hardware}", point, lambda hardware=hardware, point=point: problem("mlp", point, hardware)
 
 
-#: what probing rules out where it rules out anything
+#: the recomputes probing rules out where it rules out any
 RULED_OUT = {
-    ("branchy", 0.9): [("k", 1)],
-    ("chain4-slow", 0.6): [("k", 0), ("k", 1)],
-    ("chain5-fast", 0.45): [("k", 0), ("k", 1), ("k", 2)],
-    ("chain5-fast", 0.6): [("k", 0), ("k", 2)],
-    ("chain6-mixed", 0.45): [("k", 0), ("k", 1), ("k", 2), ("k", 3), ("r", 1)],
-    ("chain6-mixed", 0.6): [("k", 1)],
-    ("mlp v100-pcie3", 0.0): [("k", 0), ("k", 1), ("r", 0)],
-    ("mlp h100-pcie5", 0.0): [("k", 0), ("k", 1), ("r", 0)],
+    ("branchy", 0.75): [0, 1, 2, 3],  # no plan fits
+    ("chain6-mixed", 0.45): [1],
+    ("mlp v100-pcie3", 0.0): [0],
+    ("mlp h100-pcie5", 0.0): [0],
 }
 
 
@@ -55,11 +50,8 @@ def test_no_fitting_plan_takes_a_ruled_out_decision(name, fraction, make):
         assert not fitting
         return
     ruled_out = _ruled_out(prob)
-    if ruled_out is None:
-        assert not fitting
-        return
     for decisions in fitting:
-        assert not [(d, a) for d, a in ruled_out if decisions[a].value[0] == d], decisions
+        assert not [a for a in ruled_out if decisions[a] is Decision.RECOMPUTE], decisions
     assert ruled_out == RULED_OUT.get((name, fraction), [])
 
 
@@ -68,7 +60,7 @@ def test_probing_lifts_the_lp_to_the_optimum_at_the_mlp_floor(hardware, before):
     """The MLP at its floor: only swaps fit the first two ReLUs (a recompute's chain needs an extra
     4 MiB while it runs, a keep more than the limit), and the fastest plan keeps the last one. The
     LP recomputes a part of the first ReLU, which needs only that part of the chain's memory;
-    probing rules the recompute out, and the keeps, and the LP meets the optimum."""
+    probing rules that recompute out, and the LP meets the optimum."""
     prob = problem("mlp", 0.0, hardware)
     optimum = min(brute_force(prob).values())
     model = relaxation(Bounds(Evaluator(prob)))

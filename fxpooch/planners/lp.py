@@ -72,6 +72,10 @@ log = logging.getLogger("fxpooch.planner.lp")
 MAX_NONZEROS = 16_000_000
 
 
+#: a row with a coefficient above this is in bytes
+BYTES = 1024.0
+
+
 class ModelTooLarge(Exception):
     """The model passed its ``max_nonzeros`` while built."""
 
@@ -94,6 +98,10 @@ class Model:
     #: raise :class:`ModelTooLarge` once the constraints hold more nonzeros (None: no limit)
     max_nonzeros: int | None = None
     nonzeros: int = 0
+    #: per ``rows`` entry, the op of the point whose loop in :func:`relaxation` added it (None:
+    #: another), and the op of the point being added
+    row_ops: list[int | None] = field(default_factory=list)
+    op: int | None = None
 
     def var(self, hi: float = math.inf, binary: bool = False) -> int:
         self.cost.append(0.0)
@@ -103,12 +111,17 @@ class Model:
         return len(self.cost) - 1
 
     def ge(self, terms: list[tuple[int, float]], rhs: float) -> None:
-        """``sum terms >= rhs``."""
-        row = [(j, -v) for j, v in terms if v]
+        """``sum terms >= rhs``; a row in bytes is divided by its largest coefficient (HiGHS's
+        tolerances are absolute)."""
+        scale = max((abs(v) for _, v in terms), default=1.0)
+        scale = scale if scale > BYTES else 1.0
+        row = [(j, -v / scale) for j, v in terms if v]
+        rhs /= scale
         self.nonzeros += len(row)
         if self.max_nonzeros is not None and self.nonzeros > self.max_nonzeros:
             raise ModelTooLarge(f"more than {self.max_nonzeros} nonzeros")
         self.rows.append((row, -rhs))
+        self.row_ops.append(self.op)
 
     def matrices(self):
         import numpy as np
@@ -239,6 +252,7 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
     deadlines = chain_deadlines(bounds, model, x, rec) if families.chain_deadlines else {}
     h2d_chains: list[tuple[float, list[tuple[int, int, int, int]]]] = []  # per point: start, (k, a, s_ap, E)
     for i, p in enumerate(points):
+        model.op = p.op
         s_vars, r_vars = [], []
         may = None if p.forward or p.group else rebuilt_by(readers, bounds.first_reader, x, p.op)
         for a in p.candidates:
@@ -321,6 +335,7 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
                 model.ge([(theta[q], 1.0), (theta[i], -1.0), (r, -1.0)], prefix[points[q].op] - prefix[p.op])
             prev = r
         model.ge([(0, 1.0), (theta[i], -1.0)] + ([(prev, -1.0)] if prev is not None else []), suffix[p.op])
+    model.op = None
     if deadlines:
         read_before_chains(bounds, model, x, points, theta, prefix, suffix, h2d, h2d_chains, deadlines)
     if families.streams:
@@ -434,11 +449,11 @@ def solve(model: Model, integral: bool = False, time_limit: float | None = None)
                 integrality=np.asarray(model.binary, dtype=int), bounds=VarBounds(lo, hi), options=options)
 
 
-def lp_lower_bound(ev: Evaluator, max_nonzeros: int | None = MAX_NONZEROS) -> float:
-    """The LP relaxation's bound, never below ``bounds.lower_bound`` (its cut bound is kept when
-    larger, and returned alone where scipy is missing, the LP fails or even the model with
-    :data:`CORE` would pass ``max_nonzeros``), after probing (:mod:`.probing`)."""
-    from .probing import NoPlanFits, probed_relaxation
+def lp_lower_bound(ev: Evaluator, max_nonzeros: int | None = MAX_NONZEROS, families: Families = Families()) -> float:
+    """The LP relaxation's bound with ``families``, after probing (:mod:`.probing`), never below
+    ``bounds.lower_bound`` (its cut bound is kept when larger, and returned alone where scipy is
+    missing, the LP fails or even the probed model would pass ``max_nonzeros``)."""
+    from .probing import probed_relaxation
 
     bounds = Bounds(ev)
     cut_bound = bounds.bound()
@@ -450,12 +465,10 @@ def lp_lower_bound(ev: Evaluator, max_nonzeros: int | None = MAX_NONZEROS) -> fl
     if cut_bound == math.inf:
         return cut_bound
     try:
-        model = probed_relaxation(bounds, max_nonzeros=max_nonzeros)
+        model = probed_relaxation(bounds, families, max_nonzeros)
     except ModelTooLarge as e:
         log.warning("LP relaxation: %s (%d activations); the cut bound only", e, len(ev.graph.activations))
         return cut_bound
-    except NoPlanFits:
-        return math.inf
     res = solve(model)
     if res.status == 2:  # infeasible: no split of the evictions meets every point
         return math.inf

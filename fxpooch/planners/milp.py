@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from .bounds import Bounds
 from .common import Evaluator
-from .lp import MAX_NONZEROS, ModelTooLarge, solve
-from .probing import NoPlanFits, probed_relaxation
+from .lp import MAX_NONZEROS, Families, ModelTooLarge, solve
+from .probing import probed_relaxation
 
 log = logging.getLogger("fxpooch.planner.milp")
 
@@ -31,9 +31,10 @@ class MilpBound:
 
 
 def milp_lower_bound(ev: Evaluator, time_limit: float | None = 60.0,
-                     max_nonzeros: int | None = MAX_NONZEROS) -> MilpBound:
-    """The MILP's bound, never below the cut bound; ``time_limit``: HiGHS's wall-clock seconds; the
-    cut bound alone where the model would pass ``max_nonzeros`` (:data:`.lp.MAX_NONZEROS`).
+                     max_nonzeros: int | None = MAX_NONZEROS, families: Families = Families()) -> MilpBound:
+    """The MILP's bound with ``families`` after probing (:mod:`.probing`), never below the cut
+    bound; ``time_limit``: HiGHS's wall-clock seconds; the cut bound alone where even the probed
+    model would pass ``max_nonzeros`` (:data:`.lp.MAX_NONZEROS`).
 
     Raises ImportError without scipy."""
     bounds = Bounds(ev)
@@ -41,12 +42,10 @@ def milp_lower_bound(ev: Evaluator, time_limit: float | None = 60.0,
     if cut_bound == math.inf:
         return MilpBound(math.inf, True, None)
     try:
-        model = probed_relaxation(bounds, max_nonzeros=max_nonzeros)
+        model = probed_relaxation(bounds, families, max_nonzeros)
     except ModelTooLarge as e:
         log.warning("MILP: %s (%d activations); the cut bound only", e, len(ev.graph.activations))
         return MilpBound(cut_bound, False, None)
-    except NoPlanFits:
-        return MilpBound(math.inf, True, None)
     res = solve(model, integral=True, time_limit=time_limit)
     if res.status == 2:  # infeasible: no integral choice of evictions meets every point
         return MilpBound(math.inf, True, None)
