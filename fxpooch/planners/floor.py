@@ -368,3 +368,32 @@ def read_before_chains(bounds: Bounds, model: Model, x: dict, points: list[_Poin
                 q = bisect.bisect_left(keys, (fr[c], 1))
                 if q < len(points):
                     model.ge([(theta[q], 1.0), (e, -1.0), (w, -after)], prefix[points[q].op] - prefix[fr[c]])
+
+
+def covers(model: Model, bounds: Bounds, evictions: list[tuple[int, int]], need: int,
+            indicator: int | None, held: set[int] = frozenset()) -> None:
+    """A point's evictions (``(activation, s_ap or r_ap)``) cover ``need`` bytes where
+    ``indicator`` is 1 (always if None): an evictee is whole, so each candidate without which the
+    rest fall short is evicted, and at least as many candidates as the largest ones that cover it
+    (the LP's fractions of many do not)."""
+    by = {}
+    for a, j in evictions:
+        if a not in held:
+            by.setdefault(a, []).append(j)
+    sizes = sorted((bounds.nbytes[a] for a in by), reverse=True)
+    total = sum(sizes)
+    if need <= 0 or total < need:
+        return
+    lhs = [(indicator, -1.0)] if indicator is not None else []
+    rhs = 0.0 if indicator is not None else 1.0
+    for a, js in by.items():
+        if total - bounds.nbytes[a] < need:
+            model.ge([*((j, 1.0) for j in js), *lhs], rhs)
+    count, acc = 0, 0
+    for size in sizes:
+        count, acc = count + 1, acc + size
+        if acc >= need:
+            break
+    if count > 1:
+        model.ge([*((j, 1.0) for js in by.values() for j in js),
+                  *(((indicator, -float(count)),) if indicator is not None else ())], 0.0 if indicator is not None else float(count))

@@ -38,6 +38,10 @@ before their first reader: ``T >= θ_p + tail_p + sum r_a r_ap`` and likewise up
 point after each first reader. ``T >= compute + sum r_a x_a^r``. (``r_a`` as in
 ``Bounds.recompute_costs``: shared segments are not counted twice.)
 
+**Covers.** An evictee is whole: at each point, a candidate without which the others fall short
+of the bytes to evict is evicted (where a rebuild point's head is rebuilt there), and so are at
+least as many candidates as the largest ones that cover them (``Families.covers``).
+
 **Near the floor**: the families of :mod:`.floor` (``Families``; each holds for every fitting
 plan's point, so the bound stays valid with any of them).
 
@@ -54,14 +58,15 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..schedule import chain_ops
 from .bounds import Bounds
 from .common import Evaluator
 from .chains import chain_readers, rebuilt_by
-from .floor import chain_deadlines, chain_work, read_before_chains, read_by_chains, streams
+from .floor import chain_deadlines, chain_work, covers, read_before_chains, read_by_chains, streams
 from .issue_order import issue_order
+from .lpmodel import Model, ModelTooLarge
 
 log = logging.getLogger("fxpooch.planner.lp")
 
@@ -70,76 +75,6 @@ log = logging.getLogger("fxpooch.planner.lp")
 #: nonzero while built: GPT-2 at 6 layers (137 activations) 10M nonzeros and 2.5 GB, 8 layers (181)
 #: 23M and 5.5 GB; 12 layers (247 activations, on a GPU's measured profile) did not fit in 24 GB.
 MAX_NONZEROS = 16_000_000
-
-
-#: a row with a coefficient above this is in bytes
-BYTES = 1024.0
-
-
-class ModelTooLarge(Exception):
-    """The model passed its ``max_nonzeros`` while built."""
-
-
-@dataclass
-class Model:
-    """``min c·v`` s.t. ``A_ub v <= b_ub``, ``A_eq v = b_eq``, ``lo <= v <= hi``; ``v[0]`` is T in
-    seconds / ``unit``."""
-
-    unit: float = 1.0
-
-    cost: list[float] = field(default_factory=lambda: [1.0])
-    lo: list[float] = field(default_factory=lambda: [0.0])
-    hi: list[float] = field(default_factory=lambda: [math.inf])
-    binary: list[bool] = field(default_factory=lambda: [False])  # integral in the MILP
-    rows: list[tuple[list[tuple[int, float]], float]] = field(default_factory=list)  # sum <= rhs
-    eqs: list[tuple[list[tuple[int, float]], float]] = field(default_factory=list)
-    #: (decision letter ``k``/``s``/``r``, activation) -> its binary variable
-    decisions: dict[tuple[str, int], int] = field(default_factory=dict)
-    #: raise :class:`ModelTooLarge` once the constraints hold more nonzeros (None: no limit)
-    max_nonzeros: int | None = None
-    nonzeros: int = 0
-    #: per ``rows`` entry, the op of the point whose loop in :func:`relaxation` added it (None:
-    #: another), and the op of the point being added
-    row_ops: list[int | None] = field(default_factory=list)
-    op: int | None = None
-
-    def var(self, hi: float = math.inf, binary: bool = False) -> int:
-        self.cost.append(0.0)
-        self.lo.append(0.0)
-        self.hi.append(hi)
-        self.binary.append(binary)
-        return len(self.cost) - 1
-
-    def ge(self, terms: list[tuple[int, float]], rhs: float) -> None:
-        """``sum terms >= rhs``; a row in bytes is divided by its largest coefficient (HiGHS's
-        tolerances are absolute)."""
-        scale = max((abs(v) for _, v in terms), default=1.0)
-        scale = scale if scale > BYTES else 1.0
-        row = [(j, -v / scale) for j, v in terms if v]
-        rhs /= scale
-        self.nonzeros += len(row)
-        if self.max_nonzeros is not None and self.nonzeros > self.max_nonzeros:
-            raise ModelTooLarge(f"more than {self.max_nonzeros} nonzeros")
-        self.rows.append((row, -rhs))
-        self.row_ops.append(self.op)
-
-    def matrices(self):
-        import numpy as np
-        from scipy.sparse import coo_matrix
-
-        def sparse(rows, m):
-            r, c, v = [], [], []
-            for i, (terms, _) in enumerate(rows):
-                for j, x in terms:
-                    r.append(i)
-                    c.append(j)
-                    v.append(x)
-            return coo_matrix((v, (r, c)), shape=(len(rows), m)).tocsr(), np.asarray([b for _, b in rows], dtype=float)
-
-        m = len(self.cost)
-        a_ub, b_ub = sparse(self.rows, m)
-        a_eq, b_eq = sparse(self.eqs, m)
-        return np.asarray(self.cost), a_ub, b_ub, a_eq, b_eq, np.asarray(self.lo), np.asarray(self.hi)
 
 
 @dataclass(frozen=True)
@@ -277,16 +212,16 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
                 model.ge([*((j, float(bounds.nbytes[b])) for b, j in s_vars + r_vars if b not in held),
                           (y[a], -float(p.excess + nbytes))], 0.0)
                 if families.covers:
-                    _covers(model, bounds, s_vars + r_vars, p.excess + nbytes, y[a], set(held))
+                    covers(model, bounds, s_vars + r_vars, p.excess + nbytes, y[a], set(held))
         elif p.group:
             for a in p.rebuilt:
                 model.ge([*cover, (y[a], -float(p.excess + p.rebuild))], 0.0)
                 if families.covers:
-                    _covers(model, bounds, s_vars + r_vars, p.excess + p.rebuild, y[a])
+                    covers(model, bounds, s_vars + r_vars, p.excess + p.rebuild, y[a])
         else:
             model.ge(cover, p.excess)
             if families.covers:
-                _covers(model, bounds, s_vars + r_vars, p.excess, None)
+                covers(model, bounds, s_vars + r_vars, p.excess, None)
         # D2H: the evicted swaps' copies end by θ (at a cut; a rebuild point's evictions are later)
         if not p.group:
             prev = None
@@ -353,34 +288,6 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
     if families.chain_work:
         chain_work(bounds, model, x, points, theta, prefix, suffix, evicted_recompute, sigma, reruns, rec)
     return model
-
-
-def _covers(model: Model, bounds: Bounds, evictions: list[tuple[int, int]], need: int,
-            indicator: int | None, held: set[int] = frozenset()) -> None:
-    """A point's evictions cover ``need`` bytes (where ``indicator`` is 1; always if None): an
-    evictee is whole, so each candidate without which the rest fall short is evicted, and at least
-    as many candidates as the largest ones that cover it (the LP's fractions of many do not)."""
-    by = {}
-    for a, j in evictions:
-        if a not in held:
-            by.setdefault(a, []).append(j)
-    sizes = sorted((bounds.nbytes[a] for a in by), reverse=True)
-    total = sum(sizes)
-    if need <= 0 or total < need:
-        return
-    lhs = [(indicator, -1.0)] if indicator is not None else []
-    rhs = 0.0 if indicator is not None else 1.0
-    for a, js in by.items():
-        if total - bounds.nbytes[a] < need:
-            model.ge([*((j, 1.0) for j in js), *lhs], rhs)
-    count, acc = 0, 0
-    for size in sizes:
-        count, acc = count + 1, acc + size
-        if acc >= need:
-            break
-    if count > 1:
-        model.ge([*((j, 1.0) for js in by.values() for j in js),
-                  *(((indicator, -float(count)),) if indicator is not None else ())], 0.0 if indicator is not None else float(count))
 
 
 def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
