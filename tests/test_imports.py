@@ -21,7 +21,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("graph", {"graph"}),
     ("costs", {"hardware", "costmodel", "profile", "scratch", "timing", "calibrate", "limits"}),
     ("schedule", {"schedule", "simulator"}),
-    ("planners", {"planners", "planners.registry", "planners.common", "planners.lp", "planners.floor", "planners.chains", "planners.issue_order", "planners.milp", "planners.baselines",
+    ("planners", {"planners", "planners.registry", "planners.common", "planners.lp", "planners.lpmodel", "planners.probing", "planners.floor", "planners.chains", "planners.issue_order", "planners.milp", "planners.baselines",
                   "planners.bounds", "planners.fixed", "planners.branch", "planners.pooch", "planners.moves",
                   "planners.split", "planners.search"}),
     ("plan", {"plan"}),

@@ -12,8 +12,8 @@ from fxpooch.schedule import Decision
 from test_search import FRACTIONS, GRAPHS, at_fraction, brute_force, problem
 
 pytest.importorskip("scipy")
-from fxpooch.planners.lp import CORE, Families, lp_lower_bound, relaxation, solve  # noqa: E402
-from fxpooch.planners.probing import probe, probed_relaxation  # noqa: E402
+from fxpooch.planners.lp import CORE, Families, lp_lower_bound, probed_relaxation, relaxation, solve  # noqa: E402
+from fxpooch.planners.probing import probe  # noqa: E402
 
 
 def _ruled_out(prob) -> list[int]:

@@ -67,6 +67,7 @@ from .chains import chain_readers, rebuilt_by
 from .floor import chain_deadlines, chain_work, covers, read_before_chains, read_by_chains, streams
 from .issue_order import issue_order
 from .lpmodel import Model, ModelTooLarge
+from .probing import probe
 
 log = logging.getLogger("fxpooch.planner.lp")
 
@@ -290,6 +291,30 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
     return model
 
 
+def probed_relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: int | None = None) -> Model:
+    """:func:`relaxation`'s model with the recomputes :func:`.probing.probe` rules out (probed on
+    ``Families.none()``) fixed at 0. Where the model with ``families`` would
+    pass ``max_nonzeros``, the one with :data:`CORE` (the families whose size grows as the
+    points times their candidates), then the probed one; :class:`ModelTooLarge` where even that
+    one would."""
+    n = len(bounds.ev.graph.activations)
+    bare = relaxation(bounds, Families.none(), max_nonzeros)
+    fixed = set(probe(bare, bounds))
+    impossible = [key for key, j in bare.decisions.items() if j in fixed]
+    for tried in dict.fromkeys((families, CORE)):
+        if tried == Families.none():
+            break
+        try:
+            model = relaxation(bounds, tried, max_nonzeros)
+        except ModelTooLarge as e:
+            log.info("LP relaxation: %s (%d activations); fewer families", e, n)
+            continue
+        for key in impossible:
+            model.hi[model.decisions[key]] = 0.0
+        return model
+    return bare
+
+
 def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
                    rec: list[float]) -> tuple[int, list[tuple[int, int, float]]]:
     """A plan's schedule shares recompute segments or it does not (``sigma = 1``). Shared: a
@@ -360,8 +385,6 @@ def lp_lower_bound(ev: Evaluator, max_nonzeros: int | None = MAX_NONZEROS, famil
     """The LP relaxation's bound with ``families``, after probing (:mod:`.probing`), never below
     ``bounds.lower_bound`` (its cut bound is kept when larger, and returned alone where scipy is
     missing, the LP fails or even the probed model would pass ``max_nonzeros``)."""
-    from .probing import probed_relaxation
-
     bounds = Bounds(ev)
     cut_bound = bounds.bound()
     try:

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from .bounds import Bounds
 from .common import Evaluator
-from .lp import MAX_NONZEROS, Families, ModelTooLarge, solve
-from .probing import probed_relaxation
+from .lp import MAX_NONZEROS, Families, ModelTooLarge, probed_relaxation, solve
 
 log = logging.getLogger("fxpooch.planner.milp")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 
 from .bounds import Bounds
-from .lp import CORE, Families, Model, ModelTooLarge, relaxation
+from .lpmodel import Model
 
 log = logging.getLogger("fxpooch.planner.probing")
 
@@ -76,27 +76,3 @@ def probe(model: Model, bounds: Bounds, window: int = WINDOW) -> list[int]:
         model.hi[j] = 0.0
     log.info("probing: %d recomputes ruled out in %d LPs", len(fixed), solves)
     return fixed
-
-
-def probed_relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: int | None = None) -> Model:
-    """:func:`.lp.relaxation`'s model with the recomputes :func:`probe` rules out (probed on
-    ``Families.none()``) fixed at 0. Where the model with ``families`` would
-    pass ``max_nonzeros``, the one with :data:`.lp.CORE` (the families whose size grows as the
-    points times their candidates), then the probed one; :class:`ModelTooLarge` where even that
-    one would."""
-    n = len(bounds.ev.graph.activations)
-    bare = relaxation(bounds, Families.none(), max_nonzeros)
-    fixed = set(probe(bare, bounds))
-    impossible = [key for key, j in bare.decisions.items() if j in fixed]
-    for tried in dict.fromkeys((families, CORE)):
-        if tried == Families.none():
-            break
-        try:
-            model = relaxation(bounds, tried, max_nonzeros)
-        except ModelTooLarge as e:
-            log.info("relaxation: %s (%d activations); fewer families", e, n)
-            continue
-        for key in impossible:
-            model.hi[model.decisions[key]] = 0.0
-        return model
-    return bare
