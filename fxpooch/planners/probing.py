@@ -5,14 +5,14 @@ integral. So where the model cannot reach ``x_a^r = 1``, no fitting plan recompu
 ``x_a^r = 0`` holds for all of them: fixing it keeps the bound a bound. Near the floor that is most
 of the LP's gap. The LP recomputes 80% of an attention's 384 MiB softmax output, which needs only
 80% of the memory its chain takes at its rebuild point; no plan recomputes it whole (HF GPT-2 at
-2 layers at its PCIe3 floor: after probing the LP rises from 1.065x to 1.337x in-core, the best
+2 layers at its PCIe3 floor: after probing the LP rises from 1.065x to 1.347x in-core, the best
 plan known is 1.493x).
 
 A probe maximises ``x_a^r`` over a smaller model still: the smallest one (``Families.none()``:
 its points' memory and the recomputed activations' rebuilds, no timing), with only the rows of
 the points at the ``window`` ops up to ``a``'s first reader and the rows of no point (fewer rows:
-a relaxation, so a maximum below 1 still rules the recompute out). Its size does not grow with
-the graph's, and the memory that keeps a recompute out is near where it runs. A fix may rule out
+a relaxation, so a maximum below 1 still rules the recompute out). Its points do not grow in
+number with the graph, and the memory that keeps a recompute out is near where it runs. A fix may rule out
 another recompute, so the rounds repeat until one fixes nothing.
 
 HiGHS's tolerances are absolute and the memory rows are in bytes: the probes solve the model with
