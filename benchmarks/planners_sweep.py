@@ -40,7 +40,7 @@ GPT2_DEPTHS_QUICK = (2, 6)
 #: graphs up to this many activations get the LP relaxation's bound after probing, larger ones
 #: the cut bound: at GPT-2 2L's 49 activations the LP takes one to two minutes at the floor; at 6L's
 #: 137, even without the families that grow as activations^3 (``lp.CORE``), HiGHS had not solved it
-#: after 30 minutes
+#: after about 25 minutes
 LP_UP_TO = 60
 #: the yardsticks: within this of the best plan; of the bound where the bound is tight
 BEST_TOLERANCE, BOUND_TOLERANCE = 0.10, 0.15

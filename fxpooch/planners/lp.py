@@ -381,8 +381,8 @@ def solve(model: Model, integral: bool = False, time_limit: float | None = None)
                 integrality=np.asarray(model.binary, dtype=int), bounds=VarBounds(lo, hi), options=options)
 
 
-def lp_lower_bound(ev: Evaluator, max_nonzeros: int | None = MAX_NONZEROS, families: Families = Families()) -> float:
-    """The LP relaxation's bound with ``families``, after probing (:mod:`.probing`), never below
+def lp_lower_bound(ev: Evaluator, max_nonzeros: int | None = MAX_NONZEROS) -> float:
+    """The LP relaxation's bound after probing (:mod:`.probing`), never below
     ``bounds.lower_bound`` (its cut bound is kept when larger, and returned alone where scipy is
     missing, the LP fails or even the probed model would pass ``max_nonzeros``)."""
     bounds = Bounds(ev)
@@ -395,7 +395,7 @@ def lp_lower_bound(ev: Evaluator, max_nonzeros: int | None = MAX_NONZEROS, famil
     if cut_bound == math.inf:
         return cut_bound
     try:
-        model = probed_relaxation(bounds, families, max_nonzeros)
+        model = probed_relaxation(bounds, max_nonzeros=max_nonzeros)
     except ModelTooLarge as e:
         log.warning("LP relaxation: %s (%d activations); the cut bound only", e, len(ev.graph.activations))
         return cut_bound

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 
-#: a row with a coefficient above this is in bytes
+#: a row with a coefficient above this (bytes, or a big-M) is divided by its largest one
 BYTES = 1024.0
 
 
@@ -45,8 +45,8 @@ class Model:
         return len(self.cost) - 1
 
     def ge(self, terms: list[tuple[int, float]], rhs: float) -> None:
-        """``sum terms >= rhs``; a row in bytes is divided by its largest coefficient (HiGHS's
-        tolerances are absolute)."""
+        """``sum terms >= rhs``; a row with a coefficient above ``BYTES`` is divided by its largest
+        one (HiGHS's tolerances are absolute)."""
         scale = max((abs(v) for _, v in terms), default=1.0)
         scale = scale if scale > BYTES else 1.0
         row = [(j, -v / scale) for j, v in terms if v]

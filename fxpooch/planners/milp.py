@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .bounds import Bounds
 from .common import Evaluator
-from .lp import MAX_NONZEROS, Families, ModelTooLarge, probed_relaxation, solve
+from .lp import MAX_NONZEROS, ModelTooLarge, probed_relaxation, solve
 
 log = logging.getLogger("fxpooch.planner.milp")
 
@@ -30,8 +30,8 @@ class MilpBound:
 
 
 def milp_lower_bound(ev: Evaluator, time_limit: float | None = 60.0,
-                     max_nonzeros: int | None = MAX_NONZEROS, families: Families = Families()) -> MilpBound:
-    """The MILP's bound with ``families`` after probing (:mod:`.probing`), never below the cut
+                     max_nonzeros: int | None = MAX_NONZEROS) -> MilpBound:
+    """The MILP's bound after probing (:mod:`.probing`), never below the cut
     bound; ``time_limit``: HiGHS's wall-clock seconds; the cut bound alone where even the probed
     model would pass ``max_nonzeros`` (:data:`.lp.MAX_NONZEROS`).
 
@@ -41,7 +41,7 @@ def milp_lower_bound(ev: Evaluator, time_limit: float | None = 60.0,
     if cut_bound == math.inf:
         return MilpBound(math.inf, True, None)
     try:
-        model = probed_relaxation(bounds, families, max_nonzeros)
+        model = probed_relaxation(bounds, max_nonzeros=max_nonzeros)
     except ModelTooLarge as e:
         log.warning("MILP: %s (%d activations); the cut bound only", e, len(ev.graph.activations))
         return MilpBound(cut_bound, False, None)

@@ -28,7 +28,7 @@ from .lpmodel import Model
 
 log = logging.getLogger("fxpooch.planner.probing")
 
-#: a probe has the points at this many backward ops before the first reader, and at it (HF GPT-2
+#: a probe has the points at this many ops before the first reader, and at it (HF GPT-2
 #: rules out its attention softmaxes' recomputes within 10)
 WINDOW = 16
 #: relative amount every right-hand side is loosened by in a probe
