@@ -1,6 +1,7 @@
 """The LP / MILP with the inequalities near the floor (``lp.Families``): on every small graph of
 the tests, from the floor to in-core, they stay below the brute-force optimum, never below the
-model without them, and at the floor they close the gap the model without them left."""
+model without them, and at the floor they close the gap the model without them left. The model
+a large graph falls back to (``lp.LARGE``: fewer families and points) is never above them."""
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ from test_search import GRAPHS, at_fraction, brute_force, problem
 S = Decision.SWAP
 
 pytest.importorskip("scipy")
-from fxpooch.planners.lp import Families, relaxation, solve  # noqa: E402
+from fxpooch.planners.lp import LARGE, Families, relaxation, solve  # noqa: E402
 
 WITHOUT = Families(cut_ends=False, streams=False, chain_reads=False, head_reads=False, chain_work=False)
 #: HiGHS stops a MILP within a relative gap of 1e-4: its dual bound may lie that far below its optimum
@@ -66,6 +67,8 @@ def test_bounds_below_the_optimum_and_tighter(name, fraction, make):
     old_lp, old_milp = _bounds(prob, WITHOUT)
     lp, milp = _bounds(prob, Families())
     assert lp >= old_lp * (1 - 1e-9) and milp >= old_milp * (1 - MIP_GAP)  # only rows added
+    large_lp, large_milp = _bounds(prob, LARGE)
+    assert large_lp <= lp * (1 + 1e-9) and large_milp <= milp * (1 + MIP_GAP)  # rows and points left out
     if optimum == math.inf:
         return
     assert lp <= milp * (1 + 1e-9) and milp <= optimum * (1 + 1e-9)

@@ -12,7 +12,8 @@ from fxpooch.schedule import Decision
 from test_search import FRACTIONS, GRAPHS, at_fraction, brute_force, problem
 
 pytest.importorskip("scipy")
-from fxpooch.planners.lp import CORE, Families, lp_lower_bound, probed_relaxation, relaxation, solve  # noqa: E402
+from fxpooch.planners.lp import CORE, LARGE, Families, lp_lower_bound, probed_relaxation, relaxation, solve  # noqa: E402
+from fxpooch.planners.lpmodel import ModelTooLarge  # noqa: E402
 from fxpooch.planners.probing import probe  # noqa: E402
 
 
@@ -71,7 +72,22 @@ def test_probing_lifts_the_lp_to_the_optimum_at_the_mlp_floor(hardware, before):
 def test_a_model_past_its_nonzeros_falls_back_to_the_families_that_scale():
     prob = problem("mlp", 0.0, "v100-pcie3")
     bounds = Bounds(Evaluator(prob))
-    full, core, bare = (relaxation(bounds, f).nonzeros for f in (Families(), CORE, Families.none()))
-    assert bare < core < full
+    full, core, large = (relaxation(bounds, f).nonzeros for f in (Families(), CORE, LARGE))
+    assert large < core < full
     assert [probed_relaxation(bounds, max_nonzeros=size).nonzeros for size in (full, full - 1, core - 1)] == [
-        full, core, bare]
+        full, core, large]
+    with pytest.raises(ModelTooLarge, match=f"more than {large - 1} nonzeros"):
+        probed_relaxation(bounds, max_nonzeros=large - 1)
+
+
+def test_the_fallback_for_large_graphs_keeps_only_the_cuts():
+    """:data:`LARGE`'s points are ``bounds``' cuts alone: no timing cut, no rebuild point."""
+    bounds = Bounds(Evaluator(problem("mlp", 0.0, "v100-pcie3")))
+    cuts = {c.op for c in bounds.cuts}
+    assert _point_ops(bounds, LARGE) == cuts
+    assert _point_ops(bounds, CORE) - cuts  # the points it leaves out
+
+
+def _point_ops(bounds, families) -> set[int]:
+    """The ops of the points of the model with ``families`` (each point's rows carry its op)."""
+    return {op for op in relaxation(bounds, families).row_ops if op is not None}

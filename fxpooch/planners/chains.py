@@ -18,7 +18,7 @@ from ..schedule import chain_inputs, chain_ops
 from .bounds import Bounds
 
 if TYPE_CHECKING:
-    from .lp import Model
+    from .lpmodel import Model
 
 
 def chain_readers(bounds: Bounds, model: Model, x: dict, rec: list[float]) -> dict[int, list[int]]:
@@ -61,3 +61,57 @@ def reach(graph, owner: dict[int, int], a: int) -> set[int]:
         ops |= chain_ops(graph, c, lambda _: True, owner, strict=False)
         todo.extend({owner[v] for v in ops if v in owner} - seen - set(todo))
     return ops
+
+
+def chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
+                  rec: list[float]) -> tuple[int, list[tuple[int, int, float]]]:
+    """:mod:`.lp`'s sharing rows. A plan's schedule shares recompute segments or it does not
+    (``sigma = 1``). Shared: a
+    head ``b``'s chain rebuilds every recomputed activation its shortest chain reads that is first
+    read later (``y_a + y_b + x_a^r - sigma <= 2``), and through it those that one's chain reads,
+    and so on (a path of recomputed activations first read after ``b``: ``y_c + y_b + sum of x^r
+    on the path - sigma <= 1 + its length``; a chain that rebuilt one of them earlier read the
+    rest then). Not shared: each chain reruns the shortest
+    chains of the recomputed activations it reads, and theirs in turn (``z_ac``); returns
+    ``sigma`` and ``(a, z_ac, seconds)``: what each adds to ``a``'s chain, each op counted once
+    per chain."""
+    ev = bounds.ev
+    graph, owner = ev.graph, ev.owner
+    sigma = model.var(1.0, True)
+    chain = {a: chain_ops(graph, a, lambda c: False, owner, strict=False) for a in y}
+    reads = {a: sorted(c for c in {owner[v] for o in ops for v in graph.ops[o].recompute_args if v in owner} - {a}
+                       if c in y) for a, ops in chain.items()}
+    fr = bounds.first_reader
+    for b in y:  # through every path of recomputed activations first read after b
+        path = {a: (a,) for a in reads[b] if fr[a] > fr[b]}
+        queue = list(path)
+        while queue:
+            a = queue.pop(0)
+            model.ge([(y[a], -1.0), (y[b], -1.0), *((x[("r", c)], -1.0) for c in path[a]), (sigma, 1.0)],
+                     -1.0 - len(path[a]))
+            for c in reads[a]:
+                if c not in path and c != b and fr[c] > fr[b]:
+                    path[c] = (*path[a], c)
+                    queue.append(c)
+    terms = []
+    op_time = ev.problem.costs.op_time
+    for a in y:
+        seen = set(chain[a])
+        parent = {c: None for c in reads[a]}
+        queue = list(reads[a])
+        while queue:
+            c = queue.pop(0)
+            z = model.var(1.0)
+            if parent[c] is None:
+                model.ge([(z, 1.0), (x[("r", a)], -1.0), (x[("r", c)], -1.0), (sigma, -1.0)], -2.0)
+            else:
+                model.ge([(z, 1.0), (parent[c], -1.0), (x[("r", c)], -1.0)], -1.0)
+            cost = sum(op_time[o] for o in chain[c] - seen) / model.unit
+            seen |= chain[c]
+            if cost > 0:
+                terms.append((a, z, cost))
+            for d in reads[c]:
+                if d not in parent and d != a:
+                    parent[d] = z
+                    queue.append(d)
+    return sigma, terms

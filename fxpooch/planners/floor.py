@@ -46,7 +46,7 @@ the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them
   with every other activation available), and a shared segment runs an op once for all it
   rebuilds: so the step runs each op ``o`` in the shortest chain of some recomputed activation,
   ``T >= compute + sum_o t_o u_o`` with ``u_o >= x_a^r`` for each such ``a``, plus the reruns of an
-  unshared schedule (``z_ac``; :func:`.lp._chain_sharing`). This is the recompute term of the
+  unshared schedule (``z_ac``; :func:`.chains.chain_sharing`). This is the recompute term of the
   model's whole step, tighter than the costs of ``Bounds.recompute_costs``, which give an op to
   the lowest-numbered activation whose chain has it, recomputed or not (a conv's batch norm
   counted for its statistics, a small activation kept, and never for the large one recomputed).

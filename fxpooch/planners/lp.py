@@ -43,7 +43,8 @@ of the bytes to evict is evicted (where a rebuild point's head is rebuilt there)
 least as many candidates as the largest ones that cover them (``Families.covers``).
 
 **Near the floor**: the families of :mod:`.floor` (``Families``; each holds for every fitting
-plan's point, so the bound stays valid with any of them).
+plan's point, so the bound stays valid with any of them, and with fewer points: a large graph's
+model keeps the cuts alone, :data:`LARGE`).
 
 **Scratch.** The memory an op takes inside itself (``StepGraph.op_scratch``) is in ``M_c`` at a
 cut (every plan holds the op's scratch while it runs) and left out at a rebuild point (neither
@@ -63,7 +64,7 @@ from dataclasses import dataclass
 from ..schedule import chain_ops
 from .bounds import Bounds
 from .common import Evaluator
-from .chains import chain_readers, rebuilt_by
+from .chains import chain_readers, chain_sharing, rebuilt_by
 from .floor import chain_deadlines, chain_work, covers, read_before_chains, read_by_chains, streams
 from .issue_order import issue_order
 from .lpmodel import Model, ModelTooLarge
@@ -71,11 +72,14 @@ from .probing import probe
 
 log = logging.getLogger("fxpooch.planner.lp")
 
-#: nonzeros past which :func:`lp_lower_bound` and :func:`~.milp.milp_lower_bound` stop building the
-#: model and keep the cut bound. The model grows about as activations^3 and takes about 240 bytes a
-#: nonzero while built: GPT-2 at 6 layers (137 activations) 10M nonzeros and 2.5 GB, 8 layers (181)
-#: 23M and 5.5 GB; 12 layers (247 activations, on a GPU's measured profile) did not fit in 24 GB.
-MAX_NONZEROS = 16_000_000
+#: nonzeros past which :func:`lp_lower_bound` and :func:`~.milp.milp_lower_bound` build a smaller
+#: model (:data:`FALLBACKS`), then keep the cut bound: HiGHS's time grows much faster than the
+#: model. At GPT-2 6L's PCIe3 floor (137 activations): 0.71M nonzeros solved in 62-80 s, 1.06M in
+#: 310 s, 1.63M in 405 s, 2.0M not after 25 minutes; at 2L's (49), every family, 0.54M in 42 s.
+MAX_NONZEROS = 1_000_000
+#: nonzeros past which probing's model is not built (about 240 bytes a nonzero while built: GPT-2
+#: 6L with every family is 10M nonzeros and 2.5 GB)
+PROBE_NONZEROS = 16_000_000
 
 
 @dataclass(frozen=True)
@@ -108,16 +112,25 @@ class Families:
     chain_deadlines: bool = True  # a swap read by a recompute chain is back before the chain runs
     issue_order: bool = True  # prefetches leave in the order they are first needed (issue_order.py)
     covers: bool = True  # the candidates every cover of a point's bytes needs, and how many it needs
+    timing_cuts: bool = True  # with cut_ends: the first and last cut of each candidate set are points too
+    rebuild_points: bool = True  # the points where a recompute runs (its first reader's group)
 
     @classmethod
     def none(cls) -> Families:
         """The model without any of them: its points' memory and the rebuilds."""
-        return cls(**{f: False for f in cls.__dataclass_fields__})
+        return cls(**{f: f == "rebuild_points" for f in cls.__dataclass_fields__})
 
 
 #: the families whose size grows as the points times their candidates, as the model without them
 #: does (the others grow about as activations^3): what a large graph's bound falls back to
 CORE = Families(chain_reads=False, chain_work=False, chain_deadlines=False, issue_order=False)
+#: :data:`CORE` on the cuts alone: near the floor the other points add little (GPT-2 6L's PCIe3
+#: floor: 1.250x in-core in 80 s, 1.253x in 405 s with the timing cuts; the rebuild points add
+#: nothing there, nor at 2L's, 1.337x either way)
+LARGE = Families(chain_reads=False, chain_work=False, chain_deadlines=False, issue_order=False,
+                 timing_cuts=False, rebuild_points=False)
+#: what :func:`probed_relaxation` builds, in order, where the model asked for is too large
+FALLBACKS = (CORE, LARGE)
 
 
 def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: int | None = None) -> Model:
@@ -144,8 +157,9 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
         if rec[a] == math.inf:
             model.hi[x[("r", a)]] = 0.0
 
-    points = [_Point(c.op, False, not c.backward, c.excess, c.candidates) for c in bounds.cuts + (bounds.timing_cuts if families.cut_ends else [])]
-    for rp in bounds.rebuild_points():
+    timing = bounds.timing_cuts if families.cut_ends and families.timing_cuts else []
+    points = [_Point(c.op, False, not c.backward, c.excess, c.candidates) for c in bounds.cuts + timing]
+    for rp in bounds.rebuild_points() if families.rebuild_points else ():
         if rp.excess + max(nbytes for _, nbytes, _ in rp.heads) > 0:
             points.append(_Point(rp.op, True, False, rp.excess, rp.candidates, rp.rebuilt, rp.rebuild, rp.heads))
     points.sort(key=lambda p: p.key)
@@ -177,7 +191,7 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
         heads[a] = [b for b in y if bounds.first_reader[b] < bounds.first_reader[a]
                     and producer in chain_ops(graph, b, lambda c: True, ev.owner, strict=False)]
         model.ge([(ya, 1.0), *((y[b], 1.0) for b in heads[a]), (x[("r", a)], -1.0)], 0.0)
-    sigma, reruns = _chain_sharing(bounds, model, x, y, rec)
+    sigma, reruns = chain_sharing(bounds, model, x, y, rec)
     readers = chain_readers(bounds, model, x, rec)
     if not families.chain_work:
         model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf]
@@ -292,80 +306,29 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
 
 
 def probed_relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: int | None = None) -> Model:
-    """:func:`relaxation`'s model with the recomputes :func:`.probing.probe` rules out (probed on
-    ``Families.none()``) fixed at 0. Where the model with ``families`` would
-    pass ``max_nonzeros``, the one with :data:`CORE` (the families whose size grows as the
-    points times their candidates), then the probed one; :class:`ModelTooLarge` where even that
-    one would."""
+    """:func:`relaxation`'s model with ``families``, or where it would pass ``max_nonzeros`` the
+    first of :data:`FALLBACKS` that does not, with the recomputes :func:`.probing.probe` rules out
+    (probed on ``Families.none()``, built up to :data:`PROBE_NONZEROS`) fixed at 0;
+    :class:`ModelTooLarge` where every one would pass it."""
     n = len(bounds.ev.graph.activations)
-    bare = relaxation(bounds, Families.none(), max_nonzeros)
-    fixed = set(probe(bare, bounds))
-    impossible = [key for key, j in bare.decisions.items() if j in fixed]
-    for tried in dict.fromkeys((families, CORE)):
-        if tried == Families.none():
-            break
+    for tried in dict.fromkeys((families, *FALLBACKS)):
         try:
             model = relaxation(bounds, tried, max_nonzeros)
+            break
         except ModelTooLarge as e:
             log.info("LP relaxation: %s (%d activations); fewer families", e, n)
-            continue
-        for key in impossible:
-            model.hi[model.decisions[key]] = 0.0
+    else:
+        raise ModelTooLarge(f"more than {max_nonzeros} nonzeros")
+    try:
+        bare = relaxation(bounds, Families.none(), PROBE_NONZEROS)
+    except ModelTooLarge as e:
+        log.info("probing: %s (%d activations); no recompute ruled out", e, n)
         return model
-    return bare
-
-
-def _chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
-                   rec: list[float]) -> tuple[int, list[tuple[int, int, float]]]:
-    """A plan's schedule shares recompute segments or it does not (``sigma = 1``). Shared: a
-    head ``b``'s chain rebuilds every recomputed activation its shortest chain reads that is first
-    read later (``y_a + y_b + x_a^r - sigma <= 2``), and through it those that one's chain reads,
-    and so on (a path of recomputed activations first read after ``b``: ``y_c + y_b + sum of x^r
-    on the path - sigma <= 1 + its length``; a chain that rebuilt one of them earlier read the
-    rest then). Not shared: each chain reruns the shortest
-    chains of the recomputed activations it reads, and theirs in turn (``z_ac``); returns
-    ``sigma`` and ``(a, z_ac, seconds)``: what each adds to ``a``'s chain, each op counted once
-    per chain."""
-    ev = bounds.ev
-    graph, owner = ev.graph, ev.owner
-    sigma = model.var(1.0, True)
-    chain = {a: chain_ops(graph, a, lambda c: False, owner, strict=False) for a in y}
-    reads = {a: sorted(c for c in {owner[v] for o in ops for v in graph.ops[o].recompute_args if v in owner} - {a}
-                       if c in y) for a, ops in chain.items()}
-    fr = bounds.first_reader
-    for b in y:  # through every path of recomputed activations first read after b
-        path = {a: (a,) for a in reads[b] if fr[a] > fr[b]}
-        queue = list(path)
-        while queue:
-            a = queue.pop(0)
-            model.ge([(y[a], -1.0), (y[b], -1.0), *((x[("r", c)], -1.0) for c in path[a]), (sigma, 1.0)],
-                     -1.0 - len(path[a]))
-            for c in reads[a]:
-                if c not in path and c != b and fr[c] > fr[b]:
-                    path[c] = (*path[a], c)
-                    queue.append(c)
-    terms = []
-    op_time = ev.problem.costs.op_time
-    for a in y:
-        seen = set(chain[a])
-        parent = {c: None for c in reads[a]}
-        queue = list(reads[a])
-        while queue:
-            c = queue.pop(0)
-            z = model.var(1.0)
-            if parent[c] is None:
-                model.ge([(z, 1.0), (x[("r", a)], -1.0), (x[("r", c)], -1.0), (sigma, -1.0)], -2.0)
-            else:
-                model.ge([(z, 1.0), (parent[c], -1.0), (x[("r", c)], -1.0)], -1.0)
-            cost = sum(op_time[o] for o in chain[c] - seen) / model.unit
-            seen |= chain[c]
-            if cost > 0:
-                terms.append((a, z, cost))
-            for d in reads[c]:
-                if d not in parent and d != a:
-                    parent[d] = z
-                    queue.append(d)
-    return sigma, terms
+    fixed = set(probe(bare, bounds))
+    for key, j in bare.decisions.items():
+        if j in fixed:
+            model.hi[model.decisions[key]] = 0.0
+    return model
 
 
 def solve(model: Model, integral: bool = False, time_limit: float | None = None):
