@@ -62,6 +62,11 @@ POINTS = (0.0, 0.25, 0.5)  # limit = floor + point * (in-core - floor)
 #: counts n; a bound evaluated or an LP solved counts as a simulation): seconds to a few minutes
 #: a row on this project's machine
 EXACT_WORK = 3_000_000
+#: the exact search prunes with the LP after probing (``planners/fixed.py``) on graphs of at most
+#: this many activations: test:resnet_small's 29 (a solve well under a second; at 1/4 of the way
+#: to in-core over NVLink2 its optimum is proved in 2,520 units of work with it, left open after
+#: 15,079 without), not GPT-2 2L's 49 (5 to 40 s a solve)
+EXACT_LP_UP_TO = 30
 #: the LP and the MILP run on graphs of at most this many activations (the cut bound on all)
 MILP_UP_TO = 150
 #: HiGHS's wall-clock limit per MILP; past it the bound it has proved is used (GPT-2 at 2 layers,
@@ -179,14 +184,15 @@ def bound_columns(base, limit: int, exact: bool = True) -> dict:
 
 def exact_settings(activations: int) -> dict:
     """How the exact search runs on a graph of ``activations``: its op-simulation budget, and the
-    LP of ``planners/fixed.py`` at every node on the graphs the ``exact`` planner takes (at their
+    LP of ``planners/fixed.py`` at every node up to :data:`EXACT_LP_UP_TO` activations (at the
     floors only the LP lifts the bound: test:cnn_bn's PCIe5 floor is proved in 23,605 units of
     work with it, and stays at the root's bound after 32,258 without); with the LP, the families
-    of inequalities its model has (``lp.Families``)."""
-    lp_bounds = activations <= SearchOptions().max_exact
+    of inequalities its model has (``lp.Families``), after probing."""
+    lp_bounds = activations <= EXACT_LP_UP_TO
     out = {"work": EXACT_WORK, "lp_bounds": lp_bounds}
     if lp_bounds:
         out["families"] = families_on()
+        out["probing"] = True
     return out
 
 
@@ -271,7 +277,7 @@ def refresh(path: str, part: str, jobs: int, only: set[str] | None, rerun: bool 
             tasks.setdefault((r["model"], r["batch"], r["hardware"]), []).append((i, r["point"]))
     if part == "exact":
         data["exact_command"] = (f"python benchmarks/planners.py --part exact (EXACT_WORK {EXACT_WORK:,} op-simulations "
-                                 f"per row, the LP at every node up to {SearchOptions().max_exact} activations)")
+                                 f"per row, the LP after probing at every node up to {EXACT_LP_UP_TO} activations)")
     else:
         data["bounds_command"] = f"python benchmarks/planners.py --part bounds (MILP_SECONDS {MILP_SECONDS:g})"
     smallest_first = sorted(((key, part, todo) for key, todo in tasks.items()), key=lambda t: (rows[t[2][0][0]]["ops"], t[0]))
@@ -404,7 +410,7 @@ def write_readme(path: str, rows: list[dict], planners) -> None:
             "cost model; * a MILP stopped at its time limit, its proved bound; (bound) an optimum proved by the "
             "bound; the optimum column from `--part exact`, the exact search at "
             f"{EXACT_WORK:,} op-simulations per row, with the LP at every node on graphs of at most "
-            f"{SearchOptions().max_exact} activations: open, the best bound and the fastest plan known where the "
+            f"{EXACT_LP_UP_TO} activations (after probing where the row's exact_settings say so): open, the best bound and the fastest plan known where the "
             "budget ran out, and local's gap to the optimum as the range they allow):\n\n"
             f"{gap_table(rows, planners, markdown=True)}\n")
     planners_sweep.replace_between(path, README_BEGIN, README_END, body)

@@ -51,8 +51,9 @@ def test_exact_search_proves_the_brute_force_optimum(name, options):
                 assert part.best.step_time == pytest.approx(optimum, rel=1e-12)
 
 
+@pytest.mark.parametrize("probed", [False, True], ids=["", "probed"])
 @pytest.mark.parametrize("name", sorted(GRAPHS))
-def test_fixed_lp_bound_stays_below_every_completion(name):
+def test_fixed_lp_bound_stays_below_every_completion(name, probed):
     pytest.importorskip("scipy")
     from fxpooch.planners.fixed import FixedBound
 
@@ -64,7 +65,7 @@ def test_fixed_lp_bound_stays_below_every_completion(name):
         bounds = Bounds(Evaluator(prob))
         if bounds.bound() == math.inf:
             continue
-        fixed = FixedBound(bounds)
+        fixed = FixedBound(bounds, probed)
         for _ in range(30):
             partial = [rng.choice([None, K, S, R]) for _ in graph.activations]
             partial = [None if d is S and not a.swappable else d for d, a in zip(partial, graph.activations)]

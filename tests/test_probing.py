@@ -91,3 +91,18 @@ def test_the_fallback_for_large_graphs_keeps_only_the_cuts():
 def _point_ops(bounds, families) -> set[int]:
     """The ops of the points of the model with ``families`` (each point's rows carry its op)."""
     return {op for op in relaxation(bounds, families).row_ops if op is not None}
+
+
+def test_the_exact_search_lp_after_probing_bounds_the_undecided_at_the_optimum():
+    """``FixedBound(probed=True)``, what the exact search prunes with: at the MLP's floor, nothing
+    decided, it meets the optimum where the LP without probing is 36% below (a ruled-out
+    recompute decided is infeasible either way: probing's model is a relaxation of the LP's)."""
+    from fxpooch.planners.fixed import FixedBound
+
+    prob = problem("mlp", 0.0, "v100-pcie3")
+    optimum = min(brute_force(prob).values())
+    bounds = Bounds(Evaluator(prob))
+    probed, bare = FixedBound(bounds, probed=True), FixedBound(bounds)
+    assert probed.bound([None] * 3) == pytest.approx(optimum, rel=1e-5)
+    assert bare.bound([None] * 3) / optimum == pytest.approx(0.6444, abs=1e-4)
+    assert probed.bound([Decision.RECOMPUTE, None, None]) == bare.bound([Decision.RECOMPUTE, None, None]) == math.inf

@@ -29,15 +29,18 @@ _LETTER = {Decision.KEEP: "k", Decision.SWAP: "s", Decision.RECOMPUTE: "r"}
 class FixedBound:
     """Per problem: :func:`.lp.relaxation`'s model, solved with a partial plan's decisions fixed.
 
-    ``solves`` counts the LPs and MILPs run (a search's work). Raises ImportError without scipy."""
+    ``probed``: the recomputes :mod:`.probing` rules out are fixed at 0 too (every fitting plan
+    leaves them out, so the bounds stay bounds, tighter near the floor; the model may then be a
+    smaller one, :func:`.lp.probed_relaxation`). ``solves`` counts the LPs and MILPs run (a
+    search's work). Raises ImportError without scipy."""
 
-    def __init__(self, bounds: Bounds):
+    def __init__(self, bounds: Bounds, probed: bool = False):
         import numpy as np
         import scipy.optimize  # noqa: F401  (ImportError here, not at the first bound)
 
-        from .lp import relaxation
+        from .lp import probed_relaxation, relaxation
 
-        self.model = relaxation(bounds)
+        self.model = probed_relaxation(bounds) if probed else relaxation(bounds)
         c, a_ub, b_ub, a_eq, b_eq, lo, hi = self.model.matrices()
         self._c, self._a_ub, self._b_ub, self._a_eq, self._b_eq = c, a_ub, b_ub, a_eq, b_eq
         self._lo, self._hi = lo, hi

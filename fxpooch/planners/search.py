@@ -55,8 +55,9 @@ class SearchOptions:
     #: simulations; up to 16 it usually proves the optimum within a minute, but a limit at the
     #: floor with a fast link (many plans within a few percent) can take minutes from 13 on
     max_exact: int = 20
-    #: the exact search also prunes with the LP of ``lp.py`` with the decided activations fixed
-    #: (``fixed.py``; where scipy is installed): one solve per child not cut by the cheaper bounds.
+    #: the exact search also prunes with the LP of ``lp.py`` with the decided activations fixed,
+    #: after probing (``fixed.py``; where scipy is installed; probing's LPs, once, are not counted
+    #: as work): one solve per child not cut by the cheaper bounds.
     #: Off by default: a solve costs several simulations' time, and away from the floor the cut
     #: bounds alone prove the zoo's 13-16 activation graphs sooner. At a floor only the LP lifts the
     #: bound (test:cnn_bn's PCIe5 floor: proved in 24k units of work with it, left 19% open after
@@ -299,10 +300,11 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     return best
 
 
-def fixed_bound(bounds: Bounds) -> FixedBound | None:
-    """The LP / MILP of ``fixed.py`` for ``bounds``' problem; None without scipy."""
+def fixed_bound(bounds: Bounds, probed: bool = False) -> FixedBound | None:
+    """The LP / MILP of ``fixed.py`` for ``bounds``' problem (``probed``: after probing); None
+    without scipy."""
     try:
-        return FixedBound(bounds)
+        return FixedBound(bounds, probed)
     except ImportError:
         log.info("scipy is not installed: no LP / MILP bound or seed")
         return None
@@ -360,7 +362,7 @@ def exact_search(problem: Problem, options: SearchOptions = SearchOptions(), wor
     bounds = Bounds(ev)
     root = bounds.bound()
     search = BranchAndBound(ev, bounds, seed)
-    fixed = fixed_bound(bounds) if (options.lp_bounds or options.milp_nodes) and root < math.inf else None
+    fixed = fixed_bound(bounds, options.lp_bounds) if (options.lp_bounds or options.milp_nodes) and root < math.inf else None
     if fixed is not None and options.milp_nodes:
         milp_bound, point = milp_seed(ev, fixed, options.milp_nodes, local_budget)
         root = max(root, milp_bound)
