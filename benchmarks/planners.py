@@ -63,10 +63,11 @@ POINTS = (0.0, 0.25, 0.5)  # limit = floor + point * (in-core - floor)
 #: a row on this project's machine
 EXACT_WORK = 3_000_000
 #: the exact search prunes with the LP after probing (``planners/fixed.py``) on graphs of at most
-#: this many activations: test:resnet_small's 29 (a solve well under a second; at 1/4 of the way
-#: to in-core over NVLink2 its optimum is proved in 2,520 units of work with it, left open after
-#: 15,079 without), not GPT-2 2L's 49 (5 to 40 s a solve)
-EXACT_LP_UP_TO = 30
+#: this many activations, the ones the ``exact`` planner takes. On test:resnet_small's 29 it proves
+#: the optimum 1/4 of the way to in-core over NVLink2 in 2,520 units of work (open after 15,079
+#: without), but leaves the four rows open here open at the same bounds, at 750-950 CPU s a row
+#: instead of 60-130; on GPT-2 2L's 49 a solve takes 5 to 40 s
+EXACT_LP_UP_TO = SearchOptions().max_exact
 #: the LP and the MILP run on graphs of at most this many activations (the cut bound on all)
 MILP_UP_TO = 150
 #: HiGHS's wall-clock limit per MILP; past it the bound it has proved is used (GPT-2 at 2 layers,
