@@ -66,15 +66,14 @@ def reach(graph, owner: dict[int, int], a: int) -> set[int]:
 def chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
                   rec: list[float]) -> tuple[int, list[tuple[int, int, float]]]:
     """:mod:`.lp`'s sharing rows. A plan's schedule shares recompute segments or it does not
-    (``sigma = 1``). Shared: a
-    head ``b``'s chain rebuilds every recomputed activation its shortest chain reads that is first
-    read later (``y_a + y_b + x_a^r - sigma <= 2``), and through it those that one's chain reads,
-    and so on (a path of recomputed activations first read after ``b``: ``y_c + y_b + sum of x^r
-    on the path - sigma <= 1 + its length``; a chain that rebuilt one of them earlier read the
-    rest then). Not shared: each chain reruns the shortest
-    chains of the recomputed activations it reads, and theirs in turn (``z_ac``); returns
-    ``sigma`` and ``(a, z_ac, seconds)``: what each adds to ``a``'s chain, each op counted once
-    per chain."""
+    (``sigma = 1``). Shared: a head ``b``'s chain rebuilds every recomputed activation its
+    shortest chain reads that is first read later (``y_a + y_b + x_a^r - sigma <= 2``), and
+    through it those that one's chain reads, and so on (a path of recomputed activations first
+    read after ``b``: ``y_c + y_b + sum of x^r on the path - sigma <= 1 + its length``; a chain
+    that rebuilt one of them earlier read the rest then). Not shared: each chain reruns the
+    shortest chains of the recomputed activations it reads, and theirs in turn (``z_ac``);
+    returns ``sigma`` and ``(a, z_ac, seconds)``: what each adds to ``a``'s chain, each op
+    counted once per chain."""
     ev = bounds.ev
     graph, owner = ev.graph, ev.owner
     sigma = model.var(1.0, True)
