@@ -65,8 +65,8 @@ EXACT_WORK = 3_000_000
 #: the exact search prunes with the LP after probing (``planners/fixed.py``) on graphs of at most
 #: this many activations, the ones the ``exact`` planner takes. On test:resnet_small's 29 it proves
 #: the optimum 1/4 of the way to in-core over NVLink2 in 2,520 units of work (open after 15,079
-#: without), but leaves the four rows open here open at the same bounds, at 750-950 CPU s a row
-#: instead of 60-130; on GPT-2 2L's 49 a solve takes 5 to 40 s
+#: without), but the four rows left open here stay open at the same bounds, at 750-950 CPU s a
+#: row instead of 60-130; on GPT-2 2L's 49 a solve takes 5 to 40 s
 EXACT_LP_UP_TO = SearchOptions().max_exact
 #: the LP and the MILP run on graphs of at most this many activations (the cut bound on all)
 MILP_UP_TO = 150

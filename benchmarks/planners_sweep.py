@@ -39,7 +39,7 @@ GPT2_DEPTHS_FULL = (2, 6, 12, 24, 48)
 GPT2_DEPTHS_QUICK = (2, 6)
 #: graphs up to this many activations get the LP relaxation's bound after probing, larger ones
 #: the cut bound: GPT-2 2L's (49 activations) takes one to two minutes at the floor with every
-#: family, 6L's (137) two to three on the cuts alone (``lp.LARGE``); at 12L (269) and ResNet-50
+#: family, 6L's (137) 20 to 140 CPU s on the cuts alone (``lp.LARGE``); at 12L (269) and ResNet-50
 #: (211) even that model passes ``lp.MAX_NONZEROS`` (3.9M and 1.8M nonzeros at the floor)
 LP_UP_TO = 150
 #: the yardsticks: within this of the best plan; of the bound where the bound is tight
