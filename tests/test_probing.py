@@ -6,21 +6,22 @@ import math
 
 import pytest
 
-from fxpooch.planners import Evaluator
+from fxpooch.planners import Evaluator, Problem
 from fxpooch.planners.bounds import Bounds
 from fxpooch.schedule import Decision
+from stepgraphs import DROPOUT, build, dropout_drawn_only
 from test_search import FRACTIONS, GRAPHS, at_fraction, brute_force, problem
 
 pytest.importorskip("scipy")
-from fxpooch.planners.lp import CORE, LARGE, Families, lp_lower_bound, probed_relaxation, relaxation, solve  # noqa: E402
+from fxpooch.planners.lp import CORE, LARGE, PROBING, Families, lp_lower_bound, probed_relaxation, relaxation, solve  # noqa: E402
 from fxpooch.planners.lpmodel import ModelTooLarge  # noqa: E402
 from fxpooch.planners.probing import probe  # noqa: E402
 
 
-def _ruled_out(prob) -> list[int]:
-    """The activations whose recompute probing rules out."""
+def _ruled_out(prob, families: Families = PROBING) -> list[int]:
+    """The activations whose recompute probing rules out (on ``families``' model)."""
     bounds = Bounds(Evaluator(prob))
-    model = relaxation(bounds, Families.none())
+    model = relaxation(bounds, families)
     fixed = set(probe(model, bounds))
     return sorted(a for (_, a), j in model.decisions.items() if j in fixed)
 
@@ -37,9 +38,9 @@ def _rows():
 #: the recomputes probing rules out where it rules out any
 RULED_OUT = {
     ("branchy", 0.75): [0, 1, 2, 3],  # no plan fits
-    ("chain6-mixed", 0.45): [1],
-    ("mlp v100-pcie3", 0.0): [0],
-    ("mlp h100-pcie5", 0.0): [0],
+    ("chain6-mixed", 0.45): [1, 2],
+    ("mlp v100-pcie3", 0.0): [0, 1, 2],
+    ("mlp h100-pcie5", 0.0): [0, 1, 2],
 }
 
 
@@ -54,6 +55,37 @@ def test_no_fitting_plan_takes_a_ruled_out_decision(name, fraction, make):
     for decisions in fitting:
         assert not [a for a in ruled_out if decisions[a] is Decision.RECOMPUTE], decisions
     assert ruled_out == RULED_OUT.get((name, fraction), [])
+
+
+def _attention():
+    """An attention head in miniature: the query and key (drawn by dropouts: not recomputable), the
+    scores made from them (not saved), the softmax ``p`` and the dropout output ``o`` made from the
+    scores. The backward reads ``o`` first, then ``p`` (the softmax's backward), then the query and
+    key (the scores' matmul backward). A chain that rebuilds ``p`` or ``o`` reads the query and key,
+    which then stay on the device through ``p``'s backward, where the limit has no room for them."""
+    graph, costs = build([("q", ["x"], 1, 1, DROPOUT), ("k", ["x"], 1, 1, DROPOUT), ("s", ["q", "k"], 1, 1),
+                          ("p", ["s"], 1, 4), ("o", ["s"], 1, 4), ("loss", ["o", "p"], 0.5, 0)],
+                         [("go", ["o"], 1), ("gp", ["p"], 1), ("gs", ["q", "k"], 1)],
+                         {"q": (2, 2), "k": (2, 2), "p": (4, 4), "o": (4, 4)}, grad_mib=4)
+    graph = dropout_drawn_only(graph)
+    ev = Evaluator(Problem(graph, costs, 2**40))
+    return graph, costs, ev.floor().timeline.static_peak_bytes, ev.evaluate(ev.all_keep()).timeline.peak_bytes
+
+
+@pytest.mark.parametrize("point", [0.0, 0.5])
+def test_a_recompute_whose_chain_reads_swaps_is_ruled_out_where_they_do_not_fit_after_its_reader(point):
+    """Floor 12 MiB, in-core 14: at ``p``'s backward the limit holds ``p``, two 4 MiB gradients
+    and at most 1 MiB more, not the query and key a chain read. The point is after the chain's
+    reader: probing without the chain reads (``Families.none()``) rules nothing out."""
+    graph, costs, floor, in_core = _attention()
+    assert (floor, in_core) == (12 * 2**20, 14 * 2**20)
+    prob = Problem(graph, costs, int(floor + point * (in_core - floor)))
+    names = [act.name for act in graph.activations]
+    assert names == ["q", "k", "p", "o"]
+    assert [names[a] for a in _ruled_out(prob)] == ["p", "o"]
+    assert _ruled_out(prob, Families.none()) == []
+    fitting = brute_force(prob)
+    assert fitting and not [d for d in fitting if Decision.RECOMPUTE in d]
 
 
 @pytest.mark.parametrize("hardware, before", [("v100-pcie3", 0.6444), ("h100-pcie5", 0.7117)])

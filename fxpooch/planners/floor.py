@@ -199,7 +199,9 @@ def read_by_chains(bounds: Bounds, model: Model, x: dict, points: list[_Point],
             for _, i in backward[bisect.bisect_left(ops_of, fr[b]):bisect.bisect_left(ops_of, fr[d])]:
                 p = points[i]
                 if (i, d) in evicted_swap and (p.op > fr[b] or not p.group):
+                    model.op = p.op  # the point's row: probing keeps it with the point's
                     model.ge([(evicted_swap[(i, d)], -1.0), (rho, -1.0)], -1.0)
+    model.op = None
 
 
 def chain_work(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],

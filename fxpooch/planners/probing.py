@@ -8,12 +8,15 @@ of the LP's gap. The LP recomputes 80% of an attention's 384 MiB softmax output,
 2 layers at its PCIe3 floor: after probing the LP rises from 1.065x to 1.347x in-core, the best
 plan known is 1.493x).
 
-A probe maximises ``x_a^r`` over a smaller model still: the smallest one (``Families.none()``:
-its points' memory and the recomputed activations' rebuilds, no timing), with only the rows of
-the points at the ``window`` ops up to ``a``'s first reader and the rows of no point (fewer rows:
-a relaxation, so a maximum below 1 still rules the recompute out). Its points do not grow in
-number with the graph, and the memory that keeps a recompute out is near where it runs. A fix may rule out
-another recompute, so the rounds repeat until one fixes nothing.
+A probe maximises ``x_a^r`` over a smaller model still (``lp.PROBING``: its points' memory, the
+recomputed activations' rebuilds and the swaps their chains read, no timing), with only the rows
+of the points at the ``window`` ops either side of ``a``'s first reader and the rows of no point
+(fewer rows: a relaxation, so a maximum below 1 still rules the recompute out). Its points do not
+grow in number with the graph, and the memory that keeps a recompute out is near where it runs:
+before its reader (the chain's own buffers), or just after it, where what its chain read must
+still be on the device (HF GPT-2's attention dropout output: its chain reads the query and the
+key, read again by the backward of the matmul that made the scores, after the softmax's backward).
+A fix may rule out another recompute, so the rounds repeat until one fixes nothing.
 
 HiGHS's tolerances are absolute and the memory rows are in bytes: the probes solve the model with
 every right-hand side loosened by ``LOOSEN`` of itself, a relaxation, so that a plan exactly at the
@@ -28,8 +31,9 @@ from .lpmodel import Model
 
 log = logging.getLogger("fxpooch.planner.probing")
 
-#: a probe has the points at this many ops before the first reader, and at it (HF GPT-2
-#: rules out its attention softmaxes' recomputes within 10)
+#: a probe has the points at this many ops before the first reader, at it and after it (HF
+#: GPT-2 rules out its attention softmaxes' recomputes within 10 ops before, its dropout
+#: outputs' within 8 after)
 WINDOW = 16
 #: relative amount every right-hand side is loosened by in a probe
 LOOSEN = 1e-6
@@ -60,7 +64,7 @@ def probe(model: Model, bounds: Bounds, window: int = WINDOW) -> list[int]:
         for j, reader in probes:
             if hi[j] == 0:
                 continue
-            rows = np.flatnonzero(shared | ((row_ops >= reader - window) & (row_ops <= reader)))
+            rows = np.flatnonzero(shared | ((row_ops >= reader - window) & (row_ops <= reader + window)))
             cost = np.zeros(len(lo))
             cost[j] = -1.0
             res = milp(cost, constraints=[LinearConstraint(a_ub[rows], -np.inf, b_ub[rows]), equal],
