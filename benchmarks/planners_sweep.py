@@ -30,6 +30,7 @@ from fxpooch.plan import Plan
 from fxpooch.planners import Evaluator
 from fxpooch.planners.bounds import lower_bound
 from fxpooch.planners.lp import lp_lower_bound
+from fxpooch.planners.search import SearchOptions, plan_local
 
 DEFAULT = "local"
 PLANNERS_COMPARED = (DEFAULT, "pooch", "swap-all", "checkpoint", "checkpoint-all")
@@ -44,6 +45,16 @@ GPT2_DEPTHS_QUICK = (2, 6)
 LP_UP_TO = 150
 #: the yardsticks: within this of the best plan; of the bound where the bound is tight
 BEST_TOLERANCE, BOUND_TOLERANCE = 0.10, 0.15
+#: the best plan also counts ``local`` run with this many times its work (a longer descent from
+#: the same seeds: what the default planner's budget leaves on the table), on graphs of at most
+#: ``LONG_UP_TO`` ops (GPT-2 12L has 2,239; 48L's would take minutes a row)
+LONG_WORK, LONG_UP_TO = 8, 2_500
+LONG = f"local-{LONG_WORK}x"
+
+
+def long_local(problem):
+    """``local`` with :data:`LONG_WORK` times its work."""
+    return plan_local(problem, SearchOptions(work=LONG_WORK * SearchOptions().work))
 
 
 def gpt2(n_layer: int, batch: int = 8, seq: int = 1024):
@@ -86,33 +97,50 @@ def plan_row(base: Plan, limit: int) -> dict:
         except InfeasibleMemoryLimit:
             row[p] = None
         row[f"{p}_s"] = time.process_time() - t0
-    found = [row[p] for p in PLANNERS_COMPARED if row[p] is not None]
-    row["best"] = min(found) if found else None
     row["worse_than_reference"] = [p for p in ("swap-all", "checkpoint") if row[p] is not None
                                    and (row[DEFAULT] is None or row[DEFAULT] > row[p] * (1 + 1e-9))]
+    row.update(long_columns(base, limit, row))
     row.update(bound_columns(base, limit, row))
+    row.update(gaps(row))
     return row
+
+
+def long_columns(base: Plan, limit: int, row: dict) -> dict:
+    """:data:`LONG`'s plan relative to in-core and its CPU seconds (None past :data:`LONG_UP_TO` ops)."""
+    if len(base.graph.ops) > LONG_UP_TO:
+        return {LONG: None, f"{LONG}_s": None}
+    t0 = time.process_time()
+    try:
+        found = fxpooch.replan(base, planner=long_local, mem_limit=limit).step_time / base.in_core_time
+    except InfeasibleMemoryLimit:
+        found = None
+    return {LONG: found, f"{LONG}_s": time.process_time() - t0}
 
 
 def bound_columns(base: Plan, limit: int, row: dict) -> dict:
     """The bound (the LP after probing on small graphs, the cut bound on the rest) relative to
-    in-core, its kind and CPU seconds, and the default planner's gaps to the best plan and to the
-    bound."""
+    in-core, its kind and CPU seconds."""
     kind = "lp" if len(base.graph.activations) <= LP_UP_TO else "cut"
     t0 = time.process_time()
     ev = Evaluator(problem_of(base, limit))
     bound = lp_lower_bound(ev) if kind == "lp" else lower_bound(ev)
-    out = {"bound_kind": kind, "bound_s": time.process_time() - t0,
-           "bound": None if bound == math.inf else bound / base.in_core_time}
+    return {"bound_kind": kind, "bound_s": time.process_time() - t0,
+            "bound": None if bound == math.inf else bound / base.in_core_time}
+
+
+def gaps(row: dict) -> dict:
+    """The best plan of the planners compared and :data:`LONG`, and the default planner's gaps to
+    it and to the bound."""
+    found = [row[p] for p in (*PLANNERS_COMPARED, LONG) if row.get(p) is not None]
+    best = min(found) if found else None
     d = row[DEFAULT]
-    out["gap_to_best"] = None if d is None or row["best"] is None else d / row["best"] - 1
-    out["gap_to_bound"] = None if d is None or out["bound"] is None else d / out["bound"] - 1
-    return out
+    return {"best": best, "gap_to_best": None if d is None or best is None else d / best - 1,
+            "gap_to_bound": None if d is None or row["bound"] is None else d / row["bound"] - 1}
 
 
-def refresh_bounds(out: str, only: set[str]) -> list[dict]:
-    """The saved rows with the bound columns of the models in ``only`` made again (after the
-    bounds changed; the planners' columns stay)."""
+def refresh(out: str, only: set[str], columns) -> list[dict]:
+    """The saved rows with the ``columns`` (:func:`bound_columns` or :func:`long_columns`) of the
+    models in ``only`` made again, and their gaps; the other columns stay."""
     with open(out) as f:
         rows = json.load(f)["rows"]
     for name, build in models(quick=False):
@@ -123,9 +151,10 @@ def refresh_bounds(out: str, only: set[str]) -> list[dict]:
             base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
             for row in rows:
                 if row["model"] == name and row["hardware"] == hw:
-                    row.update(bound_columns(base, row["limit"], row))
-                    print(f"{name} {hw} {row['point']}: {row['bound_kind']} bound {row['bound']}, "
-                          f"{row['bound_s']:.1f} CPU s", file=sys.stderr, flush=True)
+                    made = columns(base, row["limit"], row)
+                    row.update(made)
+                    row.update(gaps(row))
+                    print(f"{name} {hw} {row['point']}: {made}", file=sys.stderr, flush=True)
     return rows
 
 
@@ -203,11 +232,14 @@ def replace_between(path: str, begin: str, end: str, body: str) -> None:
         f.write(head + begin + body + end + rest.split(end, 1)[1])
 
 
-def write_readme(path: str, rows: list[dict], command: str) -> None:
-    """Replace the table between the README's sweep markers with one made from ``rows``."""
-    body = (f"\n`{command}` (benchmarks/results/planners_sweep.json; simulated on the analytic cost model, "
+def write_readme(path: str, rows: list[dict], commands: list[str]) -> None:
+    """Replace the table between the README's sweep markers with one made from ``rows`` (made by
+    ``commands``, in that order)."""
+    ran = ", then ".join(f"`{c}`" for c in commands)
+    body = (f"\n{ran} (benchmarks/results/planners_sweep.json; simulated on the analytic cost model, "
             f"presets {', '.join(sorted({r['hardware'] for r in rows}))}, limits from the floor to 3/4 of the way to "
-            f"in-core; planning CPU seconds on a 2-core machine):\n\n{readme_table(rows)}\n")
+            f"in-core; the best plan of {', '.join(PLANNERS_COMPARED)} and, on graphs of at most {LONG_UP_TO:,} ops, "
+            f"`{DEFAULT}` with {LONG_WORK}x its work; planning CPU seconds on a 2-core machine):\n\n{readme_table(rows)}\n")
     replace_between(path, README_BEGIN, README_END, body)
 
 
@@ -259,10 +291,15 @@ def merged(rows: list[dict], out: str, names: list[str]) -> list[dict]:
     return sorted(kept + rows, key=lambda r: order[r["model"]])  # stable: presets and limits keep their order
 
 
-def main(quick: bool, out: str, only: set[str] | None = None, bounds_only: bool = False) -> None:
-    """``bounds_only``: the saved rows, the bounds of the models in ``only`` made again."""
-    if bounds_only:
-        rows = refresh_bounds(out, only or {name for name, _ in models(quick)})
+#: ``--part`` -> the columns it makes again on the saved rows
+REFRESH = {"sweep-bounds": bound_columns, "sweep-long": long_columns}
+
+
+def main(quick: bool, out: str, only: set[str] | None = None, part: str = "sweep") -> None:
+    """``part``: ``sweep``, or one of :data:`REFRESH`: the saved rows, its columns of the models in
+    ``only`` made again."""
+    if part in REFRESH:
+        rows = refresh(out, only or {name for name, _ in models(quick)}, REFRESH[part])
     else:
         rows = run(quick, only)
         if only is not None:
@@ -271,13 +308,13 @@ def main(quick: bool, out: str, only: set[str] | None = None, bounds_only: bool 
     def fmt(v):
         return "fails" if v is None else f"{v:.3f}x"
 
-    table = [[r["model"], r["hardware"], f"{r['fraction']:.2f}", r["ops"], *(fmt(r[p]) for p in PLANNERS_COMPARED),
+    table = [[r["model"], r["hardware"], f"{r['fraction']:.2f}", r["ops"], *(fmt(r.get(p)) for p in (*PLANNERS_COMPARED, LONG)),
               fmt(r["bound"]), "-" if r["gap_to_best"] is None else f"{100 * r['gap_to_best']:.1f}%",
               "-" if r["gap_to_bound"] is None else f"{100 * r['gap_to_bound']:.1f}%", f"{r[f'{DEFAULT}_s']:.1f}"]
              for r in rows]
     print(f"Simulated step time relative to in-core (analytic cost model, not measured); limit as a fraction "
           f"of in-core, from the floor up; gaps of the default planner ({DEFAULT}):")
-    print(tabulate(table, headers=["model", "hardware", "limit", "ops", *PLANNERS_COMPARED, "bound",
+    print(tabulate(table, headers=["model", "hardware", "limit", "ops", *PLANNERS_COMPARED, LONG, "bound",
                                    "gap best", "gap bound", f"{DEFAULT} CPU s"]))
     summ = summary(rows)
     print(json.dumps(summ, indent=1))
@@ -285,15 +322,15 @@ def main(quick: bool, out: str, only: set[str] | None = None, bounds_only: bool 
     command = "python benchmarks/planners.py --part sweep" + (" --quick" if quick else "") + (
         " --models <each model in turn>" if only is not None else "")
     saved = {}
-    if bounds_only:
+    if part in REFRESH:
         with open(out) as f:
-            saved = json.load(f)
-        command = saved["command"]
-        saved = {"bounds_command": "python benchmarks/planners.py --part sweep-bounds" + (
-            f" --models {','.join(sorted(only))}" if only else "")}
+            saved = {k: v for k, v in json.load(f).items() if k.endswith("command")}
+        command = saved.pop("command")
+        saved[f"{part.split('-')[1]}_command"] = f"python benchmarks/planners.py --part {part}" + (
+            f" --models {','.join(sorted(only))}" if only else "")
     with open(out, "w") as f:
         json.dump({"simulated": True, "command": command, **saved, "summary": summ, "rows": rows}, f, indent=1)
     time_picture(rows, os.path.join(os.path.dirname(out), "planners_time.svg"))
     print(readme_table(rows))
-    write_readme(os.path.join(os.path.dirname(__file__), "..", "README.md"), rows, command)
+    write_readme(os.path.join(os.path.dirname(__file__), "..", "README.md"), rows, [command, *saved.values()])
     print(f"wrote {out}")

@@ -5,7 +5,7 @@ integral. So where the model cannot reach ``x_a^r = 1``, no fitting plan recompu
 ``x_a^r = 0`` holds for all of them: fixing it keeps the bound a bound. Near the floor that is most
 of the LP's gap. The LP recomputes 80% of an attention's 384 MiB softmax output, which needs only
 80% of the memory its chain takes at its rebuild point; no plan recomputes it whole (HF GPT-2 at
-2 layers at its PCIe3 floor: after probing the LP rises from 1.065x to 1.347x in-core, the best
+2 layers at its PCIe3 floor: after probing the LP rises from 1.065x to 1.426x in-core, the best
 plan known is 1.493x).
 
 A probe maximises ``x_a^r`` over a smaller model still (``lp.PROBING``: its points' memory, the
