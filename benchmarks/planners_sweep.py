@@ -326,7 +326,9 @@ def main(quick: bool, out: str, only: set[str] | None = None, part: str = "sweep
         with open(out) as f:
             saved = {k: v for k, v in json.load(f).items() if k.endswith("command")}
         command = saved.pop("command")
-        saved[f"{part.split('-')[1]}_command"] = f"python benchmarks/planners.py --part {part}" + (
+        key = f"{part.split('-')[1]}_command"
+        saved.pop(key, None)  # the last run last: the README lists them in order
+        saved[key] = f"python benchmarks/planners.py --part {part}" + (
             f" --models {','.join(sorted(only))}" if only else "")
     with open(out, "w") as f:
         json.dump({"simulated": True, "command": command, **saved, "summary": summ, "rows": rows}, f, indent=1)
