@@ -99,13 +99,13 @@ def plan_row(base: Plan, limit: int) -> dict:
         row[f"{p}_s"] = time.process_time() - t0
     row["worse_than_reference"] = [p for p in ("swap-all", "checkpoint") if row[p] is not None
                                    and (row[DEFAULT] is None or row[DEFAULT] > row[p] * (1 + 1e-9))]
-    row.update(long_columns(base, limit, row))
-    row.update(bound_columns(base, limit, row))
+    row.update(long_columns(base, limit))
+    row.update(bound_columns(base, limit))
     row.update(gaps(row))
     return row
 
 
-def long_columns(base: Plan, limit: int, row: dict) -> dict:
+def long_columns(base: Plan, limit: int) -> dict:
     """:data:`LONG`'s plan relative to in-core and its CPU seconds (None past :data:`LONG_UP_TO` ops)."""
     if len(base.graph.ops) > LONG_UP_TO:
         return {LONG: None, f"{LONG}_s": None}
@@ -117,7 +117,7 @@ def long_columns(base: Plan, limit: int, row: dict) -> dict:
     return {LONG: found, f"{LONG}_s": time.process_time() - t0}
 
 
-def bound_columns(base: Plan, limit: int, row: dict) -> dict:
+def bound_columns(base: Plan, limit: int) -> dict:
     """The bound (the LP after probing on small graphs, the cut bound on the rest) relative to
     in-core, its kind and CPU seconds."""
     kind = "lp" if len(base.graph.activations) <= LP_UP_TO else "cut"
@@ -151,7 +151,7 @@ def refresh(out: str, only: set[str], columns) -> list[dict]:
             base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
             for row in rows:
                 if row["model"] == name and row["hardware"] == hw:
-                    made = columns(base, row["limit"], row)
+                    made = columns(base, row["limit"])
                     row.update(made)
                     row.update(gaps(row))
                     print(f"{name} {hw} {row['point']}: {made}", file=sys.stderr, flush=True)

@@ -59,7 +59,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..schedule import chain_ops
 from .bounds import Bounds
@@ -136,7 +136,7 @@ FALLBACKS = (CORE, LARGE)
 #: where the swaps' bytes do not fit (HF GPT-2 at 2 layers at its PCIe3 floor: the attention's
 #: dropout output, whose chain reads the query and key, back on the device through the softmax's
 #: backward; the bound on the cuts alone 1.337x -> 1.418x in-core)
-PROBING = Families(**{f: f in ("rebuild_points", "chain_reads") for f in Families.__dataclass_fields__})
+PROBING = replace(Families.none(), chain_reads=True)
 
 
 def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: int | None = None) -> Model:
