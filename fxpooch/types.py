@@ -11,6 +11,7 @@ Ids are plain ``int`` at run time; the names say which table one indexes:
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import NewType
 
@@ -18,6 +19,14 @@ OpId = NewType("OpId", int)
 BufferId = NewType("BufferId", int)
 ActivationId = NewType("ActivationId", int)
 InstanceId = NewType("InstanceId", int)
+
+
+class Decision(str, enum.Enum):
+    """What a plan does with an activation between its forward and its backward."""
+
+    KEEP = "keep"
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
 
 
 @dataclass(frozen=True)
@@ -32,4 +41,4 @@ class Costs:
     serial_copies: bool = False
 
 
-__all__ = ["ActivationId", "BufferId", "Costs", "InstanceId", "OpId"]
+__all__ = ["ActivationId", "BufferId", "Costs", "Decision", "InstanceId", "OpId"]

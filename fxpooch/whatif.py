@@ -13,7 +13,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .planners.common import Evaluator, Problem
-from .schedule import Decision, NotRecomputable, build_schedule, recompute_chain
+from .schedule import Decision, build_schedule
+from .segments import NotRecomputable, recompute_chain
 from .simulator import Timeline, simulate
 
 if TYPE_CHECKING:

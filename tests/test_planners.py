@@ -387,7 +387,8 @@ def test_moving_prefetches_lays_out_what_building_does():
     (its offload is the forward's last instruction)."""
     import itertools
 
-    from fxpooch.schedule import NotRecomputable, move_prefetches
+    from fxpooch.schedule import move_prefetches
+    from fxpooch.segments import NotRecomputable
 
     graph, _ = chain([1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1], [(0.5, 0.5)] * 4)
     backward = range(*graph.backward_range[0])
@@ -480,11 +481,11 @@ def test_an_unshared_schedule_is_not_built_where_the_forward_is_over_the_limit(n
     forward_peak = int(static_memory(shared.layout)[:n].max())
     assert forward_peak == int(static_memory(alone.layout)[:n].max())
     low = Evaluator(dataclasses.replace(prob, mem_limit=prob.graph.resident_bytes + forward_peak - 1))
-    assert not low.forward_may_fit(shared.layout)
+    assert not low.forward_may_fit(shared)
     built = low.evaluations
     assert not low.evaluate(decisions).fits and low.evaluations == built + 1  # the shared one only
     high = Evaluator(dataclasses.replace(prob, mem_limit=prob.graph.resident_bytes + forward_peak))
-    assert high.forward_may_fit(shared.layout)
+    assert high.forward_may_fit(shared)
 
 
 @pytest.mark.parametrize("name", ["transformer_block", "resnet_small"])

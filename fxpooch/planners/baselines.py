@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 
 from ..errors import InfeasibleMemoryLimit
 from ..graph import StepGraph
-from ..schedule import Decision, NotRecomputable, build_schedule, move_prefetches
+from ..schedule import Decision, build_schedule, move_prefetches
+from ..segments import NotRecomputable
 from ..simulator import simulate
 from .registry import register
 from .common import Candidate, Evaluator, Problem, live_at_peak

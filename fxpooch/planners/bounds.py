@@ -81,7 +81,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..graph import Phase
-from ..schedule import Decision, Kind, NotRecomputable, chain_ops, recompute_chain
+from ..schedule import Decision, Kind
+from ..segments import NotRecomputable, chain_ops, recompute_chain
 from ..simulator import static_memory
 from .common import Evaluator
 

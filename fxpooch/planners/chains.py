@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ..schedule import chain_inputs, chain_ops
+from ..segments import chain_inputs, chain_ops
 from .bounds import Bounds
 
 if TYPE_CHECKING:

@@ -12,8 +12,9 @@ import numpy as np
 
 from ..errors import InfeasibleMemoryLimit
 from ..graph import StepGraph
-from ..schedule import (Decision, Kind, NotRecomputable, Schedule, build_schedule, can_recompute, member_owner,
-                        move_prefetches)
+from ..schedule import Decision, Kind, Schedule, build_schedule, move_prefetches
+from ..segments import NotRecomputable, can_recompute, member_owner
+from ..footprint import Footprint, program_memory
 from ..simulator import Timeline, simulate, static_memory
 from ..types import Costs
 
@@ -56,22 +57,32 @@ class Candidate:
         return self.schedule
 
 
+    @functools.cached_property
+    def program_memory(self) -> np.ndarray:
+        """Device bytes live during each instruction of :attr:`layout` (``static_memory``)."""
+        return static_memory(self.layout)
+
+
 class Unjudged(Candidate):
-    """A plan that cannot fit, simulated only when its schedule or timeline is first read.
+    """A plan that cannot fit, laid out and simulated only when its schedule or timeline is first read.
 
     Most plans a search tries near the floor are over the limit in program order already; their
-    decisions and ``fits`` (False) are all a search reads of them. ``judge`` returns the
-    candidate the evaluator would have made, so reading one gives the same values.
+    decisions and ``fits`` (False), and their program-order memory, are all a search reads of
+    them. ``judge`` returns the candidate the evaluator would have made, so reading one gives the
+    same values.
     """
 
-    def __init__(self, jit: Schedule, judge: Callable[[], Candidate]):
+    def __init__(self, decisions: tuple[Decision, ...], footprint: Footprint, layout: Callable[[], Schedule],
+                 judge: Callable[[Schedule], Candidate]):
         object.__setattr__(self, "fits", False)
-        object.__setattr__(self, "_jit", jit)
+        object.__setattr__(self, "_decisions", decisions)
+        object.__setattr__(self, "_footprint", footprint)
+        object.__setattr__(self, "_layout", layout)
         object.__setattr__(self, "_judge", judge)
 
     @functools.cached_property
     def judged(self) -> Candidate:
-        return self._judge()
+        return self._judge(self.layout)
 
     @property
     def schedule(self) -> Schedule:
@@ -83,15 +94,19 @@ class Unjudged(Candidate):
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
-        return self._jit.decisions
+        return self._decisions
 
     @property
     def shared(self) -> bool:
-        return self._jit.shared
+        return self._footprint.shared
+
+    @functools.cached_property
+    def layout(self) -> Schedule:
+        return self._layout()
 
     @property
-    def layout(self) -> Schedule:
-        return self._jit
+    def program_memory(self) -> np.ndarray:
+        return self._footprint.memory
 
 
 def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
@@ -189,7 +204,7 @@ class Evaluator:
         if share is None:
             candidate = self.evaluate(decisions, early_prefetch, True)
             if (candidate is not None and not candidate.fits and candidate.shared
-                    and self.forward_may_fit(candidate.layout)):
+                    and self.forward_may_fit(candidate)):
                 alone = self.evaluate(decisions, early_prefetch, False)
                 candidate = alone if alone is not None and alone.fits else candidate
         else:
@@ -201,13 +216,21 @@ class Evaluator:
 
     def _evaluate(self, decisions: tuple[Decision, ...], early: bool, share: bool) -> Candidate | None:
         try:
-            jit = build_schedule(self.graph, decisions, share=share)
+            footprint = program_memory(self.graph, decisions, share)
         except NotRecomputable:
             return None
         self.evaluations += 1
-        if not self.may_fit(jit):  # early prefetches only raise the program-order peak: nothing fits
-            return Unjudged(jit, lambda: self._judged(jit, early))
-        return self._judged(jit, early)
+        if footprint is None:  # a graph program_memory does not handle: read it off the schedule
+            jit = build_schedule(self.graph, decisions, share=share)
+            footprint = Footprint(static_memory(jit), -1, jit.shared)
+        else:
+            jit = None
+        # early prefetches only raise the program-order peak: over the limit, nothing fits
+        if not self.fits_program(footprint.memory):
+            return Unjudged(decisions, footprint, (lambda: jit) if jit is not None else
+                            (lambda: build_schedule(self.graph, decisions, share=share)),
+                            lambda schedule: self._judged(schedule, early))
+        return self._judged(jit if jit is not None else build_schedule(self.graph, decisions, share=share), early)
 
     def _judged(self, jit: Schedule, early: bool) -> Candidate:
         """The simulated candidate of ``jit``'s decisions: with ``early``, prefetches placed as
@@ -226,16 +249,18 @@ class Evaluator:
         """False when ``schedule`` cannot fit: its program-order peak is over the limit already
         (the simulated peak is never below it: frees happen no earlier than in program order),
         so judging it is not needed."""
-        mem = static_memory(schedule)
-        return self.graph.resident_bytes + max(int(mem.max()) if len(mem) else 0, 0) <= self.problem.mem_limit
+        return self.fits_program(static_memory(schedule))
 
-    def forward_may_fit(self, schedule: Schedule) -> bool:
-        """False when ``schedule``'s forward (its ops and offloads, laid out first) is over the limit
+    def fits_program(self, memory: np.ndarray) -> bool:
+        """Whether a program-order memory curve (``static_memory``) stays under the limit."""
+        return self.graph.resident_bytes + max(int(memory.max()) if len(memory) else 0, 0) <= self.problem.mem_limit
+
+    def forward_may_fit(self, candidate: Candidate) -> bool:
+        """False when ``candidate``'s forward (its ops and offloads, laid out first) is over the limit
         in program order already: then so is every schedule of its decisions, recompute segments
         shared or not (they differ in the backward only), and none is built to learn that."""
-        n = sum(stop - start for start, stop in self.graph.forward_range) + schedule.decisions.count(Decision.SWAP)
-        mem = static_memory(schedule)[:n]
-        return self.graph.resident_bytes + (int(mem.max()) if len(mem) else 0) <= self.problem.mem_limit
+        n = sum(stop - start for start, stop in self.graph.forward_range) + candidate.decisions.count(Decision.SWAP)
+        return self.fits_program(candidate.program_memory[:n])
 
     def _judge(self, schedule: Schedule) -> Candidate:
         tl = simulate(self.graph, schedule, self.problem.costs, self.problem.mem_limit)

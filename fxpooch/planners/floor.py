@@ -87,7 +87,7 @@ import bisect
 import math
 from typing import TYPE_CHECKING
 
-from ..schedule import chain_inputs, chain_ops
+from ..segments import chain_inputs, chain_ops
 from .bounds import Bounds
 from .chains import chain_readers, reach
 

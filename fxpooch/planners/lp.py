@@ -61,7 +61,7 @@ import logging
 import math
 from dataclasses import dataclass, replace
 
-from ..schedule import chain_ops
+from ..segments import chain_ops
 from .bounds import Bounds
 from .common import Evaluator
 from .chains import chain_readers, chain_sharing, rebuilt_by

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..schedule import Decision, chain_inputs
+from ..schedule import Decision
+from ..segments import chain_inputs
 from .common import Candidate, Evaluator
 
 

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..graph import StepGraph
-from ..schedule import Decision, NotRecomputable, recompute_chain
+from ..schedule import Decision
+from ..segments import NotRecomputable, recompute_chain
 from ..simulator import Timeline
 from .registry import register
 from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget

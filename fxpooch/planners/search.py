@@ -23,7 +23,8 @@ import math
 from dataclasses import dataclass
 
 from ..errors import FxpoochError, InfeasibleMemoryLimit
-from ..schedule import Decision, chain_ops
+from ..schedule import Decision
+from ..segments import chain_ops
 from .registry import register
 from .baselines import checkpoint_plan
 from .bounds import Bounds

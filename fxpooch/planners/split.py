@@ -19,7 +19,6 @@ import logging
 from collections.abc import Collection, Sequence
 
 from ..schedule import Decision, Kind
-from ..simulator import static_memory
 from .baselines import separators
 from .common import Candidate, Evaluator, instances_at_peak
 
@@ -42,14 +41,14 @@ def split_plan(ev: Evaluator, fraction: float, ends: Collection[int] = ()) -> tu
 def program_peak(candidate: Candidate) -> int:
     """The candidate's device bytes at its program-order peak (copies instantaneous), resident
     excluded: read from its layout, without simulating it."""
-    mem = static_memory(candidate.layout)
+    mem = candidate.program_memory
     return int(mem.max()) if len(mem) else 0
 
 
 def overage(candidate: Candidate, budget: int) -> int:
     """Bytes over ``budget`` in program order, summed over the instructions: what a change that
     lowers one of several equal peaks (one per repeated layer) lowers, where the peak stays."""
-    mem = static_memory(candidate.layout)
+    mem = candidate.program_memory
     return int((mem - budget).clip(min=0).sum())
 
 

@@ -1,0 +1,194 @@
+"""Recompute segments: which forward ops a recomputed activation's chain runs again, and where.
+
+A chain rebuilds an activation from values the backward has (kept and swapped activations,
+resident ones), running back through other recomputed activations. :func:`plan_recomputes` lays
+the chains of a decision vector out as :func:`~fxpooch.schedule.build_schedule` runs them; the
+schedule and :mod:`fxpooch.footprint` both read it, so the two cannot disagree.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from .graph import Phase, StepGraph
+from .types import ActivationId, Decision, OpId
+
+
+class NotRecomputable(Exception):
+    """Internal: an activation's recompute chain reaches something unavailable or unsafe."""
+
+
+def member_owner(graph: StepGraph) -> dict[int, ActivationId]:
+    return {m: a for a, act in enumerate(graph.activations) for m in act.members}
+
+
+def chain_inputs(graph: StepGraph, a: ActivationId, owner: dict[int, ActivationId]) -> list[ActivationId]:
+    """The activations ``a``'s shortest recompute chain (every other activation available) reads
+    from the device: every chain that rebuilds ``a`` runs those ops."""
+    ops = chain_ops(graph, a, lambda _: False, owner, strict=False)
+    return sorted({owner[v] for o in ops for v in graph.ops[o].recompute_args
+                   if v in owner and v in graph.saved and v not in ops} - {a})
+
+
+def recompute_chain(graph: StepGraph, a: ActivationId, decisions: Sequence[Decision],
+                    owner: dict[int, ActivationId] | None = None) -> tuple[OpId, ...]:
+    """Forward ops (program order) that rebuild activation ``a`` from values the backward has.
+
+    Raises NotRecomputable if the chain needs an unsaved input or an op that is random or mutates.
+    """
+    owner = member_owner(graph) if owner is None else owner
+    return tuple(sorted(chain_ops(graph, a, lambda b: decisions[b] is Decision.RECOMPUTE, owner)))
+
+
+def chain_ops(graph: StepGraph, a: ActivationId, recomputed: Callable[[ActivationId], bool],
+              owner: dict[int, ActivationId], strict: bool = True) -> set[OpId]:
+    """The forward ops reached from ``a``'s members through saved values of activations for which
+    ``recomputed(activation)`` holds. ``strict``: raise NotRecomputable at an unsaved input or a
+    random or mutating op; otherwise stop there."""
+    own = set(graph.activations[a].members)
+    chain: set[int] = set()
+    stack = list(own)
+    while stack:
+        x = stack.pop()
+        if x in chain:
+            continue
+        if x not in own and x in graph.saved and (x not in owner or not recomputed(owner[x])):
+            continue  # available in the backward
+        op = graph.ops[x]
+        if op.phase is not Phase.FORWARD or op.target == "placeholder":
+            if not strict:
+                continue
+            raise NotRecomputable(f"{graph.activations[a].name}: needs unsaved input {op.name}")
+        if strict and not op.recomputable:
+            raise NotRecomputable(f"{graph.activations[a].name}: {op.name} ({op.target}) is random or mutating")
+        chain.add(x)
+        stack.extend(op.recompute_args)
+    return chain
+
+
+def can_recompute(graph: StepGraph, a: ActivationId, decisions: Sequence[Decision], owner=None) -> bool:
+    try:
+        recompute_chain(graph, a, decisions, owner)
+    except NotRecomputable:
+        return False
+    return True
+
+
+class Recomputes(NamedTuple):
+    """Where a decision vector's recompute chains run (see :func:`plan_recomputes`)."""
+
+    #: swapped / recomputed activation -> first backward op that needs it (a swapped one read by a
+    #: chain: that chain's, when earlier)
+    first_use: dict[int, int]
+    chains: dict[int, tuple[int, ...]]  # activation whose recompute is emitted -> its forward ops
+    materialises: dict[int, tuple[int, ...]]  # the same -> the recomputed activations it makes available
+    shared: bool  # did sharing change anything
+
+
+def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool = True) -> Recomputes:
+    """The recompute chains of ``decisions``, each run just before its activation's first backward
+    reader, in that order. With ``share`` (checkpointing's rule), a chain stops at recomputed
+    activations already rebuilt, and every recomputed activation it rebuilds whole is kept from
+    then on instead of being recomputed again at its own first reader; without it each recomputed
+    activation reruns its whole chain alone."""
+    acts = graph.activations
+    ops = graph.ops
+    owner = per_graph(graph, member_owner)
+
+    # first backward op that needs each swapped / recomputed activation
+    first_use: dict[int, int] = {}
+    for a, act in enumerate(acts):
+        if decisions[a] is not Decision.KEEP:
+            readers = graph.backward_readers(act)
+            if readers:
+                first_use[a] = readers[0]
+    chains: dict[int, tuple[int, ...]] = {}
+    materialises: dict[int, tuple[int, ...]] = {}
+    shared = False
+    rebuilt: set[int] = set()
+    memo = per_graph(graph, _chain_memo)
+
+    def remembered(b: int, pending: Callable[[int], bool]) -> set[int]:
+        """``chain_ops(graph, b, pending, owner)``, from ``memo`` when every activation that walk asked
+        ``pending`` about answers as it did then (the walk is the same), asking each again (``pending``
+        notes what it sees)."""
+        for asked, ops_of in memo.get(b, ()):
+            if all(pending(c) is answer for c, answer in asked):
+                return set(ops_of)
+        asked: list[tuple[int, bool]] = []
+
+        def asking(c: int) -> bool:
+            answer = pending(c)
+            asked.append((c, answer))
+            return answer
+        chain = chain_ops(graph, b, asking, owner)
+        seen = memo.setdefault(b, [])
+        seen.insert(0, (tuple(dict.fromkeys(asked)), frozenset(chain)))
+        del seen[_CHAIN_MEMO_WALKS:]
+        return chain
+
+    recomputed = sorted((a for a, d in enumerate(decisions) if d is Decision.RECOMPUTE),
+                        key=lambda a: (first_use.get(a, -1), a))
+    for b in recomputed:
+        if b in rebuilt:
+            continue
+        if not share or b not in first_use:
+            chains[b] = tuple(sorted(remembered(b, lambda c: decisions[c] is Decision.RECOMPUTE)))
+            materialises[b] = (b,)
+            continue
+
+        def pending(c: int) -> bool:
+            nonlocal shared
+            if c in rebuilt:
+                shared = True
+                return False
+            return decisions[c] is Decision.RECOMPUTE
+
+        chain = remembered(b, pending)
+        whole: set[int] = set()
+        grown = True
+        while grown:  # a pending activation whose storage the chain allocates is rebuilt whole
+            grown = False
+            for c in {owner[x] for x in chain if x in owner} - whole - {b}:
+                if (c in first_use and c not in rebuilt and decisions[c] is Decision.RECOMPUTE
+                        and acts[c].producer in chain):
+                    whole.add(c)
+                    chain |= remembered(c, pending)
+                    grown = True
+        shared = shared or bool(whole)
+        chains[b] = tuple(sorted(chain))
+        materialises[b] = (b, *sorted(whole))
+        rebuilt.update(materialises[b])
+    for b, chain in chains.items():
+        if b not in first_use:
+            continue
+        for a in {owner[x] for o in chain for x in ops[o].recompute_args if x in owner} - {b}:
+            if decisions[a] is Decision.SWAP and a in first_use:
+                first_use[a] = min(first_use[a], first_use[b])
+    return Recomputes(first_use, chains, materialises, shared)
+
+
+_PER_GRAPH: dict[int, tuple[weakref.ref, dict[Callable, object]]] = {}
+
+
+def per_graph(graph: StepGraph, make: Callable[[StepGraph], object]):
+    """``make(graph)``, computed once per graph: what every schedule of ``graph`` shares."""
+    cached = _PER_GRAPH.get(id(graph))
+    if cached is None or cached[0]() is not graph:
+        cached = _PER_GRAPH[id(graph)] = (weakref.ref(graph, lambda _, key=id(graph): _PER_GRAPH.pop(key, None)), {})
+    values = cached[1]
+    if make not in values:
+        values[make] = make(graph)
+    return values[make]
+
+
+#: walks of one activation's recompute chain :func:`build_schedule` remembers per graph (the latest)
+_CHAIN_MEMO_WALKS = 4
+
+
+def _chain_memo(graph: StepGraph) -> dict[int, list[tuple[tuple[tuple[int, bool], ...], frozenset[int]]]]:
+    """Per activation: the walks of its recompute chain (what ``pending`` answered, the ops found)."""
+    return {}
+
+

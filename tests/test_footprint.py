@@ -1,0 +1,70 @@
+"""``program_memory`` is the program-order memory of the schedule it does not build, exactly; the
+evaluator builds no schedule for a plan it shows over the limit."""
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+from test_search import _two_graphs, problem
+
+from fxpooch.footprint import program_memory
+from fxpooch.planners import Evaluator
+from fxpooch.planners import common
+from fxpooch.schedule import Decision, build_schedule
+from fxpooch.simulator import static_memory
+
+K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
+
+
+def _graphs():
+    for name in ("mlp", "cnn_bn", "resnet_small", "transformer_block"):
+        yield name, problem(name, 0.0).graph
+    yield "two_graphs", _two_graphs("v100-pcie3")[0]
+
+
+def _vectors(graph, count: int, seed: int):
+    """Random realisable decision vectors, recompute-heavy ones among them (long shared chains)."""
+    alone = Evaluator(common.Problem(graph, None, 0)).recomputable_alone
+    rng = random.Random(seed)
+    for i in range(count):
+        weights = (1, 1, 1) if i % 2 else (1, 1, 4)
+        yield [rng.choices([K, S if a.swappable else K, R if ok else K], weights)[0]
+               for a, ok in zip(graph.activations, alone)]
+
+
+@pytest.mark.parametrize("scratch", [False, True], ids=["no-scratch", "scratch"])
+@pytest.mark.parametrize("name, graph", list(_graphs()), ids=lambda v: v if isinstance(v, str) else "")
+def test_program_memory_is_the_static_memory_of_the_built_schedule(name, graph, scratch):
+    if scratch:  # a few KiB of scratch on most ops, different per op
+        graph = dataclasses.replace(graph, op_scratch=tuple((i * 7919) % 5 * 1024 for i in range(len(graph.ops))))
+    n_forward = sum(stop - start for start, stop in graph.forward_range)
+    shared = 0
+    for i, decisions in enumerate(_vectors(graph, 60, seed=len(name))):
+        share = i % 3 != 2
+        schedule = build_schedule(graph, decisions, share=share)
+        fp = program_memory(graph, decisions, share)
+        np.testing.assert_array_equal(fp.memory, static_memory(schedule))
+        assert fp.forward == n_forward + decisions.count(S)
+        assert fp.shared == schedule.shared
+        shared += schedule.shared
+    if name not in ("mlp", "two_graphs"):  # chains that read one another: sharing was exercised
+        assert shared > 0
+
+
+def test_the_evaluator_builds_no_schedule_for_a_plan_over_the_limit(monkeypatch):
+    """At the floor, keeping every activation is over the limit: its evaluation is Unjudged, built
+    and simulated only when its schedule is read, and then the same as a fresh evaluator's."""
+    prob = problem("transformer_block", 0.0)
+    built = []
+    real = common.build_schedule
+    monkeypatch.setattr(common, "build_schedule", lambda *a, **k: built.append(1) or real(*a, **k))
+    ev = Evaluator(prob)
+    keep = ev.all_keep()
+    c = ev.evaluate(keep, share=True)
+    assert isinstance(c, common.Unjudged) and not c.fits and built == []
+    assert int(c.program_memory.max()) + prob.graph.resident_bytes > prob.mem_limit
+    assert c.step_time > 0 and built == [1]  # read: built once
+    fresh = Evaluator(dataclasses.replace(prob, mem_limit=10 * prob.mem_limit)).evaluate(keep, share=True)
+    assert c.schedule.instrs == fresh.schedule.instrs and c.step_time == fresh.step_time
