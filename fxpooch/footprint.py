@@ -21,25 +21,33 @@ from typing import NamedTuple
 import numpy as np
 
 from .graph import BufferKind, StepGraph
-from .segments import per_graph, plan_recomputes
+from .segments import Recomputes, per_graph, plan_recomputes
 from .types import Decision
 
 
 class Footprint(NamedTuple):
     memory: np.ndarray  # per instruction: device bytes live (resident excluded, scratch included)
     forward: int  # instructions of the forward (its ops and offloads), laid out first
-    shared: bool  # as ``Schedule.shared``
+    recomputes: Recomputes  # the chains (``build_schedule`` takes them)
+
+    @property
+    def shared(self) -> bool:  # as ``Schedule.shared``
+        return self.recomputes.shared
 
 
-def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool = True) -> Footprint | None:
+def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool = True,
+                   recomputes: Recomputes | None = None) -> Footprint | None:
     """``static_memory(build_schedule(graph, decisions, share=share))`` and the forward's length,
     without building the schedule; None where the graph's buffers are not one per activation (then
-    build it). Raises NotRecomputable where ``build_schedule`` would."""
+    build it). Raises NotRecomputable where ``build_schedule`` would. ``recomputes``:
+    ``plan_recomputes(graph, decisions, share)`` where the caller has it already."""
     tables = per_graph(graph, _Tables.of)
     if tables is None:
         return None
     t: _Tables = tables
-    first_use, chains, materialises, shared = plan_recomputes(graph, decisions, share)
+    if recomputes is None:
+        recomputes = plan_recomputes(graph, decisions, share)
+    first_use, chains, materialises, _ = recomputes
     n_acts, nb = len(decisions), t.n_buffers
     code = np.fromiter((_CODE[d] for d in decisions), dtype=np.int8, count=n_acts)
     swapped = np.flatnonzero(code == 1)
@@ -120,7 +128,7 @@ def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool 
     if own is not None:  # the chains' own buffers
         delta += np.bincount(own[0], own[2], minlength=n + 1) - np.bincount(own[1], own[2], minlength=n + 1)
     memory = np.cumsum(delta[:n]).astype(np.int64) + scratch
-    return Footprint(memory, forward, shared)
+    return Footprint(memory, forward, recomputes)
 
 
 _CODE = {Decision.KEEP: 0, Decision.SWAP: 1, Decision.RECOMPUTE: 2}

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .graph import BufferKind, StepGraph
-from .segments import per_graph, plan_recomputes
+from .segments import Recomputes, per_graph, plan_recomputes
 from .types import ActivationId, BufferId, Decision, InstanceId, OpId
 
 
@@ -67,7 +67,8 @@ class Schedule:
 
 
 def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
-                   prefetch_before: Sequence[OpId] | None = None, share: bool = True) -> Schedule:
+                   prefetch_before: Sequence[OpId] | None = None, share: bool = True,
+                   recomputes: Recomputes | None = None) -> Schedule:
     """Lay out the step for ``decisions``; prefetches default to just before their first use.
 
     Recomputes run just before their activation's first backward reader, in that order. With
@@ -78,11 +79,14 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
     each recomputed activation reruns its whole chain alone (fewer bytes live, more compute).
 
     Instance ids: buffer ``b``'s original copy is instance ``b``; swapped-in and recomputed
-    copies are numbered after the buffers.
+    copies are numbered after the buffers. ``recomputes``: ``plan_recomputes(graph, decisions,
+    share)`` where the caller has it already.
     """
     decisions = tuple(decisions)
     acts = graph.activations
-    first_use, chains, materialises, shared = plan_recomputes(graph, decisions, share)
+    if recomputes is None:
+        recomputes = plan_recomputes(graph, decisions, share)
+    first_use, chains, materialises, shared = recomputes
     prefetch = [-1] * len(acts)
     for a, use in first_use.items():
         if decisions[a] is Decision.SWAP:

@@ -93,16 +93,12 @@ def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool
     then on instead of being recomputed again at its own first reader; without it each recomputed
     activation reruns its whole chain alone."""
     acts = graph.activations
-    ops = graph.ops
     owner = per_graph(graph, member_owner)
+    first_reader = per_graph(graph, _first_readers)
 
     # first backward op that needs each swapped / recomputed activation
-    first_use: dict[int, int] = {}
-    for a, act in enumerate(acts):
-        if decisions[a] is not Decision.KEEP:
-            readers = graph.backward_readers(act)
-            if readers:
-                first_use[a] = readers[0]
+    KEEP = Decision.KEEP
+    first_use = {a: first_reader[a] for a, d in enumerate(decisions) if d is not KEEP and first_reader[a] >= 0}
     chains: dict[int, tuple[int, ...]] = {}
     materialises: dict[int, tuple[int, ...]] = {}
     shared = False
@@ -160,13 +156,26 @@ def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool
         chains[b] = tuple(sorted(chain))
         materialises[b] = (b, *sorted(whole))
         rebuilt.update(materialises[b])
+    read_by = per_graph(graph, _chain_reads)
     for b, chain in chains.items():
         if b not in first_use:
             continue
-        for a in {owner[x] for o in chain for x in ops[o].recompute_args if x in owner} - {b}:
-            if decisions[a] is Decision.SWAP and a in first_use:
+        if chain not in read_by:
+            read_by[chain] = frozenset(owner[x] for o in chain for x in graph.ops[o].recompute_args if x in owner)
+        for a in read_by[chain]:
+            if a != b and decisions[a] is Decision.SWAP and a in first_use:
                 first_use[a] = min(first_use[a], first_use[b])
     return Recomputes(first_use, chains, materialises, shared)
+
+
+def _first_readers(graph: StepGraph) -> tuple[int, ...]:
+    """Per activation: its first backward reader (-1: none)."""
+    return tuple(r[0] if (r := graph.backward_readers(act)) else -1 for act in graph.activations)
+
+
+def _chain_reads(graph: StepGraph) -> dict[tuple[int, ...], frozenset[int]]:
+    """Per chain (its ops) met so far: the activations its ops read."""
+    return {}
 
 
 _PER_GRAPH: dict[int, tuple[weakref.ref, dict[Callable, object]]] = {}

@@ -35,9 +35,13 @@ def chain_readers(ev: Evaluator) -> tuple[list[list[int]], dict[int, set[int]]]:
 
 
 def faster(ev: Evaluator, best: Candidate, trial: list[Decision]) -> Candidate | None:
-    """The plan of ``trial`` if it fits and is faster than ``best``, else None."""
+    """The plan of ``trial`` if it fits and is faster than ``best``, else None (without judging it
+    where it cannot be faster: ``Evaluator.cannot_beat``)."""
+    step_time = best.step_time * (1 - 1e-9)
+    if ev.cannot_beat(trial, step_time):
+        return None
     c = ev.evaluate(trial)
-    return c if c is not None and c.fits and c.step_time < best.step_time * (1 - 1e-9) else None
+    return c if c is not None and c.fits and c.step_time < step_time else None
 
 
 def exchange(ev: Evaluator, best: Candidate, order: list[int], stop_at: int) -> Candidate | None:
