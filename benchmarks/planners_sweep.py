@@ -47,8 +47,8 @@ LP_UP_TO = 150
 BEST_TOLERANCE, BOUND_TOLERANCE = 0.10, 0.15
 #: the best plan also counts ``local`` run with this many times its work (a longer descent from
 #: the same seeds: what the default planner's budget leaves on the table), on graphs of at most
-#: ``LONG_UP_TO`` ops (GPT-2 12L has 2,239; 48L's would take minutes a row)
-LONG_WORK, LONG_UP_TO = 8, 2_500
+#: ``LONG_UP_TO`` ops (GPT-2 24L has 4,387; 48L's would take minutes a row)
+LONG_WORK, LONG_UP_TO = 8, 4_500
 LONG = f"local-{LONG_WORK}x"
 
 
@@ -88,6 +88,16 @@ def models(quick: bool):
 
 
 def plan_row(base: Plan, limit: int) -> dict:
+    row = planner_columns(base, limit)
+    row.update(long_columns(base, limit))
+    row.update(bound_columns(base, limit))
+    row.update(gaps(row))
+    return row
+
+
+def planner_columns(base: Plan, limit: int) -> dict:
+    """Each of :data:`PLANNERS_COMPARED`'s plans relative to in-core and its CPU seconds, and the
+    reference plans the default planner is slower than."""
     row: dict = {}
     in_core_time = base.in_core_time
     for p in PLANNERS_COMPARED:
@@ -99,9 +109,6 @@ def plan_row(base: Plan, limit: int) -> dict:
         row[f"{p}_s"] = time.process_time() - t0
     row["worse_than_reference"] = [p for p in ("swap-all", "checkpoint") if row[p] is not None
                                    and (row[DEFAULT] is None or row[DEFAULT] > row[p] * (1 + 1e-9))]
-    row.update(long_columns(base, limit))
-    row.update(bound_columns(base, limit))
-    row.update(gaps(row))
     return row
 
 
@@ -292,7 +299,7 @@ def merged(rows: list[dict], out: str, names: list[str]) -> list[dict]:
 
 
 #: ``--part`` -> the columns it makes again on the saved rows
-REFRESH = {"sweep-bounds": bound_columns, "sweep-long": long_columns}
+REFRESH = {"sweep-planners": planner_columns, "sweep-bounds": bound_columns, "sweep-long": long_columns}
 
 
 def main(quick: bool, out: str, only: set[str] | None = None, part: str = "sweep") -> None:

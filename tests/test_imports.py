@@ -20,7 +20,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("capture", {"capture", "recompute", "opkind", "memory"}),
     ("graph", {"graph"}),
     ("costs", {"hardware", "costmodel", "profile", "scratch", "timing", "calibrate", "limits"}),
-    ("schedule", {"schedule", "simulator"}),
+    ("schedule", {"segments", "schedule", "footprint", "simulator"}),
     ("planners", {"planners", "planners.registry", "planners.common", "planners.lp", "planners.lpmodel", "planners.probing", "planners.floor", "planners.chains", "planners.issue_order", "planners.milp", "planners.baselines",
                   "planners.bounds", "planners.fixed", "planners.branch", "planners.pooch", "planners.moves",
                   "planners.split", "planners.search"}),
