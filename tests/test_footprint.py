@@ -65,6 +65,9 @@ def test_the_evaluator_builds_no_schedule_for_a_plan_over_the_limit(monkeypatch)
     c = ev.evaluate(keep, share=True)
     assert isinstance(c, common.Unjudged) and not c.fits and built == []
     assert int(c.program_memory.max()) + prob.graph.resident_bytes > prob.mem_limit
+    # counted an eighth of a simulation until it is judged after all
+    assert (ev.evaluations, ev.rejected, ev.simulations) == (1, 1, 1 // common.REJECTIONS_PER_SIMULATION)
     assert c.step_time > 0 and built == [1]  # read: built once
+    assert (ev.evaluations, ev.rejected, ev.simulations) == (1, 0, 1)
     fresh = Evaluator(dataclasses.replace(prob, mem_limit=10 * prob.mem_limit)).evaluate(keep, share=True)
     assert c.schedule.instrs == fresh.schedule.instrs and c.step_time == fresh.step_time
