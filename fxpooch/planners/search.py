@@ -50,8 +50,10 @@ class SearchOptions:
     work: int = 500_000
     #: fewest simulations the search gets however large the graph (PoocH's seed included): its
     #: group moves need about as many as a block has kinds of activation times a few, whatever
-    #: the depth, so past ``work / min_simulations`` ops the planning time grows linearly
-    min_simulations: int = 200
+    #: the depth, so past ``work / min_simulations`` ops the planning time grows linearly. 300
+    #: since plans over the limit cost an eighth: GPT-2 48L's PCIe3 floor planned 1.869x in-core
+    #: with 200, 1.695x with 300 (what 8x the work finds), 24L's 1.766x -> 1.727x
+    min_simulations: int = 300
     #: most simulations the search runs however small the graph
     max_simulations: int = 50_000
     #: largest number of activations the exact search accepts: its worst case is 3**n
