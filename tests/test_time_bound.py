@@ -56,5 +56,7 @@ def test_cannot_beat_skips_plans_the_bound_shows_slower_and_counts_them_cheaply(
     assert ev.cannot_beat(recompute_all, c.step_time) and not ev.cannot_beat(recompute_all, c.step_time * 1.001)
     assert ev.outrun == 1
     tight = Evaluator(dataclasses.replace(prob, mem_limit=prob.graph.resident_bytes + 1))
+    # the shared schedule alone known not to fit says nothing: the unshared one may
+    assert not tight.evaluate(recompute_all, share=True).fits and not tight.cannot_beat(recompute_all, 1e9)
     assert not tight.cannot_beat(recompute_all, 1e9)  # the bound says nothing of memory
     assert not tight.evaluate(recompute_all).fits and tight.cannot_beat(recompute_all, 1e9)  # judged: over

@@ -21,9 +21,10 @@ from ..types import Costs
 log = logging.getLogger("fxpooch.planner")
 
 
-#: plans over the limit in program order that cost a search one simulation: their program-order
-#: memory (:func:`~fxpooch.footprint.program_memory`) takes about a tenth of a judged plan's time
-#: (GPT-2 at 6 and 12 layers at their floors: 1.0 and 2.8 ms against 9.7 and 30 ms)
+#: plans over the limit in program order (or ruled out by ``Evaluator.time_bound``) that cost a
+#: search one simulation: their program-order memory (:func:`~fxpooch.footprint.program_memory`)
+#: takes about a tenth of a judged plan's time (GPT-2 at 6 and 12 layers at their floors: 1.0 and
+#: 2.8 ms against 9.7 and 30 ms); the bound takes less
 REJECTIONS_PER_SIMULATION = 8
 
 
@@ -228,10 +229,13 @@ class Evaluator:
         """True when no plan of ``decisions`` can run the step in less than ``step_time``: by
         :meth:`time_bound`, or its candidate (known already) is slower or does not fit. A search
         looking only for faster plans skips those without judging them."""
-        for share in (None, True):
-            known = self._cache.get((tuple(decisions), True, share), False)
-            if known is not False:
-                return known is None or not known.fits or known.step_time >= step_time
+        key = tuple(decisions)
+        known = self._cache.get((key, True, None), False)
+        if known is not False:
+            return known is None or not known.fits or known.step_time >= step_time
+        shared = self._cache.get((key, True, True))  # fitting, it is the plan ``evaluate`` picks
+        if shared is not None and shared.fits:
+            return shared.step_time >= step_time
         try:
             bound = self.time_bound(decisions)
         except NotRecomputable:

@@ -88,8 +88,8 @@ class SearchOptions:
     split_work: float = 1 / 3
     #: work of each of the two steps of PoocH's plan, ``local``'s first seed (``PoochOptions.step_work``;
     #: its own default is 150,000): past the test zoo's graphs, the descent after it uses that work
-    #: better (GPT-2 at 12 layers and ResNet-50 at their floors, and half way to in-core over PCIe5:
-    #: 1.1-3.3% faster plans with 50,000, none slower by more than 0.2%)
+    #: better (GPT-2 at 12 layers and ResNet-50 at their floors and half way to in-core, over PCIe3
+    #: and PCIe5: 0.3-1.8% faster plans on 5 of those 8 rows with 50,000, the others the same)
     seed_work: int = 50_000
 
 
