@@ -51,6 +51,12 @@ BEST_TOLERANCE, BOUND_TOLERANCE = 0.10, 0.15
 #: of ``local``'s budget, and 8x the work buys 460 simulations against 300: hardly a longer search)
 LONG_WORK, LONG_UP_TO = 8, 4_500
 LONG = f"local-{LONG_WORK}x"
+#: the gap table (``planners.py --part gap``, saved beside this sweep's JSON) runs some of the same
+#: rows (the test zoo and GPT-2 2L, at the floor and 1/4 and 1/2 of the way to in-core): there its
+#: MILP and exact search bound the optimum better than the LP alone, and the exact search's plan
+#: counts among the best
+GAP_TABLE = "planners.json"
+EXACT = "exact"
 
 
 def long_local(problem):
@@ -136,14 +142,51 @@ def bound_columns(base: Plan, limit: int) -> dict:
             "bound": None if bound == math.inf else bound / base.in_core_time}
 
 
+def gap_table_columns(row: dict, gap_rows: list[dict]) -> dict:
+    """The gap table's best proved bound at ``row``'s problem (the same model, preset, graph and
+    limit), which of its bounds that is, and its exact search's plan; None where it has no such row."""
+    key = (row["model"], row["hardware"], row["point"], row["ops"], row["activations"])
+    for g in gap_rows:
+        if (g["model"], g["hardware"], g["point"], g["ops"], g["activations"]) == key and \
+                math.isclose(g["fraction"], row["fraction"], rel_tol=1e-12):
+            proved = [(g[k], kind) for k, kind in (("cut", "cut"), ("lp", "lp"), ("milp", "milp"), ("exact_bound", EXACT))
+                      if g.get(k) is not None]
+            bound, kind = max(proved) if proved else (None, None)
+            return {"gap_table_bound": bound, "gap_table_bound_kind": kind, EXACT: g.get("exact_best")}
+    return {"gap_table_bound": None, "gap_table_bound_kind": None, EXACT: None}
+
+
+def best_bound(row: dict) -> tuple[float | None, str | None]:
+    """The best lower bound known at ``row`` and its kind: the sweep's own (``bound``) or the gap
+    table's (:func:`gap_table_columns`)."""
+    known = [(row[b], row[k]) for b, k in (("bound", "bound_kind"), ("gap_table_bound", "gap_table_bound_kind"))
+             if row.get(b) is not None]
+    return max(known) if known else (None, None)
+
+
 def gaps(row: dict) -> dict:
-    """The best plan of the planners compared and :data:`LONG`, and the default planner's gaps to
-    it and to the bound."""
-    found = [row[p] for p in (*PLANNERS_COMPARED, LONG) if row.get(p) is not None]
+    """The best plan of the planners compared, :data:`LONG` and the gap table's exact search, and
+    the default planner's gaps to it and to the best bound (:func:`best_bound`)."""
+    found = [row[p] for p in (*PLANNERS_COMPARED, LONG, EXACT) if row.get(p) is not None]
     best = min(found) if found else None
     d = row[DEFAULT]
+    bound, kind = best_bound(row)
     return {"best": best, "gap_to_best": None if d is None or best is None else d / best - 1,
-            "gap_to_bound": None if d is None or row["bound"] is None else d / row["bound"] - 1}
+            "best_bound": bound, "best_bound_kind": kind,
+            "gap_to_bound": None if d is None or bound is None else d / bound - 1}
+
+
+def with_gap_table(rows: list[dict], path: str) -> list[dict]:
+    """``rows`` with the gap table's columns (:func:`gap_table_columns`, from the JSON at ``path``
+    where it exists) and their gaps made again."""
+    gap_rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            gap_rows = json.load(f)["rows"]
+    for row in rows:
+        row.update(gap_table_columns(row, gap_rows))
+        row.update(gaps(row))
+    return rows
 
 
 def refresh(out: str, only: set[str], columns) -> list[dict]:
@@ -193,8 +236,8 @@ def run(quick: bool, only: set[str] | None = None) -> list[dict]:
 
 def summary(rows: list[dict]) -> dict:
     planned = [r for r in rows if r[DEFAULT] is not None]
-    tight = [r for r in planned if r["bound"] is not None and r["gap_to_best"] is not None
-             and r["best"] <= r["bound"] * (1 + BOUND_TOLERANCE)]
+    tight = [r for r in planned if r["best_bound"] is not None and r["gap_to_best"] is not None
+             and r["best"] <= r["best_bound"] * (1 + BOUND_TOLERANCE)]
     return {
         "rows": len(rows), "default_fits": len(planned),
         "default_fails_where_another_fits": sum(r[DEFAULT] is None and r["best"] is not None for r in rows),
@@ -223,7 +266,7 @@ def readme_table(rows: list[dict]) -> str:
 
         lines.append(f"| {model} | {mine[0]['ops']} | {mine[0]['activations']} | {s['default_fits']}/{s['rows']} | "
                      f"{pct(s['worst_gap_to_best'])} | {s['rows_worse_than_swap_all_or_checkpoint']} | "
-                     f"{', '.join(sorted({r['bound_kind'] for r in mine}))} | {pct(s['worst_gap_to_tight_bound'])} ({s['rows_with_tight_bound']} rows) | "
+                     f"{', '.join(sorted({r['best_bound_kind'] for r in mine if r['best_bound_kind']}))} | {pct(s['worst_gap_to_tight_bound'])} ({s['rows_with_tight_bound']} rows) | "
                      f"{max(r[f'{DEFAULT}_s'] for r in mine):.1f} |")
     return "\n".join(lines)
 
@@ -247,7 +290,9 @@ def write_readme(path: str, rows: list[dict], commands: list[str]) -> None:
     body = (f"\n{ran} (benchmarks/results/planners_sweep.json; simulated on the analytic cost model, "
             f"presets {', '.join(sorted({r['hardware'] for r in rows}))}, limits from the floor to 3/4 of the way to "
             f"in-core; the best plan of {', '.join(PLANNERS_COMPARED)} and, on graphs of at most {LONG_UP_TO:,} ops, "
-            f"`{DEFAULT}` with {LONG_WORK}x its work; planning CPU seconds on a 2-core machine):\n\n{readme_table(rows)}\n")
+            f"`{DEFAULT}` with {LONG_WORK}x its work, and at the gap table's rows its exact search's plan; the bound: the "
+            f"sweep's own and, at those rows, the gap table's MILP or exact search where higher; planning CPU seconds "
+            f"on a 2-core machine):\n\n{readme_table(rows)}\n")
     replace_between(path, README_BEGIN, README_END, body)
 
 
@@ -304,25 +349,30 @@ REFRESH = {"sweep-planners": planner_columns, "sweep-bounds": bound_columns, "sw
 
 
 def main(quick: bool, out: str, only: set[str] | None = None, part: str = "sweep") -> None:
-    """``part``: ``sweep``, or one of :data:`REFRESH`: the saved rows, its columns of the models in
-    ``only`` made again."""
-    if part in REFRESH:
+    """``part``: ``sweep``; one of :data:`REFRESH`: the saved rows, its columns of the models in
+    ``only`` made again; or ``sweep-summary``: the saved rows as they are. Each time, the gap
+    table's bounds and exact plans (:data:`GAP_TABLE`) are read again."""
+    if part == "sweep-summary":
+        with open(out) as f:
+            rows = json.load(f)["rows"]
+    elif part in REFRESH:
         rows = refresh(out, only or {name for name, _ in models(quick)}, REFRESH[part])
     else:
         rows = run(quick, only)
         if only is not None:
             rows = merged(rows, out, [name for name, _ in models(quick)])
+    rows = with_gap_table(rows, os.path.join(os.path.dirname(out), GAP_TABLE))
 
     def fmt(v):
         return "fails" if v is None else f"{v:.3f}x"
 
-    table = [[r["model"], r["hardware"], f"{r['fraction']:.2f}", r["ops"], *(fmt(r.get(p)) for p in (*PLANNERS_COMPARED, LONG)),
-              fmt(r["bound"]), "-" if r["gap_to_best"] is None else f"{100 * r['gap_to_best']:.1f}%",
-              "-" if r["gap_to_bound"] is None else f"{100 * r['gap_to_bound']:.1f}%", f"{r[f'{DEFAULT}_s']:.1f}"]
+    table = [[r["model"], r["hardware"], f"{r['fraction']:.2f}", r["ops"],
+              *(fmt(r.get(p)) for p in (*PLANNERS_COMPARED, LONG, EXACT)), fmt(r["best_bound"]), r["best_bound_kind"],
+              "-" if r["gap_to_best"] is None else f"{100 * r['gap_to_best']:.1f}%", "-" if r["gap_to_bound"] is None else f"{100 * r['gap_to_bound']:.1f}%", f"{r[f'{DEFAULT}_s']:.1f}"]
              for r in rows]
     print(f"Simulated step time relative to in-core (analytic cost model, not measured); limit as a fraction "
           f"of in-core, from the floor up; gaps of the default planner ({DEFAULT}):")
-    print(tabulate(table, headers=["model", "hardware", "limit", "ops", *PLANNERS_COMPARED, LONG, "bound",
+    print(tabulate(table, headers=["model", "hardware", "limit", "ops", *PLANNERS_COMPARED, LONG, EXACT, "bound", "kind",
                                    "gap best", "gap bound", f"{DEFAULT} CPU s"]))
     summ = summary(rows)
     print(json.dumps(summ, indent=1))
@@ -330,7 +380,7 @@ def main(quick: bool, out: str, only: set[str] | None = None, part: str = "sweep
     command = "python benchmarks/planners.py --part sweep" + (" --quick" if quick else "") + (
         " --models <each model in turn>" if only is not None else "")
     saved = {}
-    if part in REFRESH:
+    if part in REFRESH or part == "sweep-summary":
         with open(out) as f:
             saved = {k: v for k, v in json.load(f).items() if k.endswith("command")}
         command = saved.pop("command")
