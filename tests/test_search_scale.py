@@ -17,7 +17,7 @@ from fxpooch.errors import InfeasibleMemoryLimit
 from fxpooch.planners import Evaluator, Problem, get_planner
 from fxpooch.planners.common import simulation_budget
 from fxpooch.planners.search import (SearchOptions, group_descent, group_search, group_trades, link_trades, sides,
-                                     plan_local, rebuild_times, repeated_groups)
+                                     plan_local, rebuild_times, repeated_groups, tails)
 from fxpooch.schedule import Decision
 from fxpooch.simulator import in_core_peak_bytes
 
@@ -57,6 +57,27 @@ def test_repeated_groups_and_sides():
         ["a4", "a6", "a8"], ["a2", "a4"], ["a6", "a8"], ["a2", "a4", "a6"]]
 
 
+def test_group_search_keeps_the_last_block():
+    """Four blocks at 0.4 of the in-core peak, everything swapped to start (44.0 s). The whole
+    groups and their sides reach 33.5 s: every ReLU output recomputed from its swapped convolution
+    output, in core 28.5 s plus 4 x 0.5 s, and 3 s at the backward's start waiting for the last
+    convolution output (its 2 s offload ends 1 s after the forward, then 2 s back). Keeping the
+    last block's two outputs (:func:`tails`) waits for nothing and recomputes three ReLUs: 30.0 s."""
+    graph, costs = deep_chain(4, 2.0)
+    ev = Evaluator(Problem(graph, costs, int(in_core_peak_bytes(graph) * 0.4)))
+    acts = graph.activations
+    groups = repeated_groups(ev)
+    assert [[acts[a].name for a in t] for t in tails(groups)] == [["a7"], ["a8"]]
+    seed = ev.evaluate(ev.all_swap())
+    assert seed.step_time == pytest.approx(44.0, abs=1e-9)
+    plan = "".join(d.value[0] for d in group_descent(ev, seed, groups + sides(groups), 10**6).decisions)
+    assert plan == "srsrsrsr" and ev.evaluate([{"s": S, "r": R}[c] for c in plan]).step_time == pytest.approx(33.5)
+    found = group_search(ev, seed, 10**6)
+    assert found.fits and found.timeline.peak_bytes <= ev.problem.mem_limit
+    assert "".join(d.value[0] for d in found.decisions) == "srsrsrkk"
+    assert found.step_time == pytest.approx(28.5 + 3 * 0.5, abs=1e-9)
+
+
 @pytest.mark.parametrize("blocks", [4, 8, 16])
 @pytest.mark.parametrize("xfer", [0.2, 1.0, 3.0])
 @pytest.mark.parametrize("fraction", [0.3, 0.5, 0.7])
@@ -93,7 +114,7 @@ def random_chain(blocks: int, fw: tuple[float, float], xfer: float, mib: tuple[i
 
 @pytest.mark.parametrize("fw, xfer, fraction, traded, conv_plan", [
     # in core 8 x (0.5 + 0.5) + 0.5 + 8 x 4.5 = 44.5 s, and the 8 convolutions again: 8 x 0.5 s
-    ((0.5, 0.5), 6.0, 0.7, 44.5 + 8 * 0.5, "kkrrrrrr"),
+    ((0.5, 0.5), 6.0, 0.7, 44.5 + 8 * 0.5, "kkrrrrrk"),
     ((0.5, 0.5), 3.0, 0.65, 44.5 + 8 * 0.5, "ssrrrrkk"),
     # in core 8 x 0.7 + 0.5 + 36 = 42.1 s, and 8 x 0.2 s
     ((0.2, 0.5), 6.0, 0.65, 42.1 + 8 * 0.2, "rrrrrrkk"),
@@ -103,8 +124,8 @@ def test_group_search_trades_two_groups(fw, xfer, fraction, traded, conv_plan):
     move helps: keeping the random outputs too misses the limit, recomputing the convolutions
     too only adds time. Trading the two groups (recompute every convolution, keep every random
     output: the same bytes freed, no copy to wait for) helps; then the groups' sides do more:
-    two convolutions kept where memory allows, or swapped where their copies hide behind the
-    forward. The step takes in-core time and 0.5 s (0.2 s) for each convolution still recomputed."""
+    two convolutions kept where memory allows (the first two, and the last one, :func:`tails`),
+    or swapped where their copies hide behind the forward. The step takes in-core time and 0.5 s (0.2 s) for each convolution still recomputed."""
     graph, costs = random_chain(8, fw, xfer)
     ev = Evaluator(Problem(graph, costs, int(in_core_peak_bytes(graph) * fraction)))
     convs, randoms = repeated_groups(ev)
