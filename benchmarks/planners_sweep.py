@@ -368,7 +368,8 @@ def main(quick: bool, out: str, only: set[str] | None = None, part: str = "sweep
 
     table = [[r["model"], r["hardware"], f"{r['fraction']:.2f}", r["ops"],
               *(fmt(r.get(p)) for p in (*PLANNERS_COMPARED, LONG, EXACT)), fmt(r["best_bound"]), r["best_bound_kind"],
-              "-" if r["gap_to_best"] is None else f"{100 * r['gap_to_best']:.1f}%", "-" if r["gap_to_bound"] is None else f"{100 * r['gap_to_bound']:.1f}%", f"{r[f'{DEFAULT}_s']:.1f}"]
+              *("-" if r[g] is None else f"{100 * r[g]:.1f}%" for g in ("gap_to_best", "gap_to_bound")),
+              f"{r[f'{DEFAULT}_s']:.1f}"]
              for r in rows]
     print(f"Simulated step time relative to in-core (analytic cost model, not measured); limit as a fraction "
           f"of in-core, from the floor up; gaps of the default planner ({DEFAULT}):")
