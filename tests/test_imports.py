@@ -23,7 +23,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("schedule", {"segments", "schedule", "footprint", "simulator"}),
     ("planners", {"planners", "planners.registry", "planners.common", "planners.lp", "planners.lpmodel", "planners.probing", "planners.floor", "planners.chains", "planners.issue_order", "planners.milp", "planners.baselines",
                   "planners.bounds", "planners.fixed", "planners.branch", "planners.pooch", "planners.moves",
-                  "planners.split", "planners.search"}),
+                  "planners.split", "planners.groups", "planners.search"}),
     ("plan", {"plan"}),
     ("inspect", {"whatif", "report", "explain", "svg", "trace"}),
     ("passes", {"passes", "passes.meta", "passes.offload", "passes.swapin", "passes.rewrite", "passes.slots"}),

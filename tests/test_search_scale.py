@@ -16,8 +16,9 @@ from stepgraphs import CONV, RELU, chain
 from fxpooch.errors import InfeasibleMemoryLimit
 from fxpooch.planners import Evaluator, Problem, get_planner
 from fxpooch.planners.common import simulation_budget
-from fxpooch.planners.search import (SearchOptions, group_descent, group_search, group_trades, link_trades, sides,
-                                     plan_local, rebuild_times, repeated_groups, tails)
+from fxpooch.planners.groups import (group_descent, group_search, group_trades, link_trades, rebuild_times,
+                                     repeated_groups, sides, tails)
+from fxpooch.planners.search import SearchOptions, plan_local
 from fxpooch.schedule import Decision
 from fxpooch.simulator import in_core_peak_bytes
 
