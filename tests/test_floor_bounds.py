@@ -9,12 +9,12 @@ import math
 import pytest
 
 from fxpooch.planners import Evaluator, Problem
-from fxpooch.planners.bounds import Bounds
+from fxpooch.planners.bounds import Bounds, Cut, _last_at_each_level
 from fxpooch.schedule import Decision
 from stepgraphs import CONV, MiB, build
 from test_search import GRAPHS, at_fraction, brute_force, problem
 
-S = Decision.SWAP
+K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
 
 pytest.importorskip("scipy")
 from fxpooch.planners.lp import LARGE, Families, relaxation, solve  # noqa: E402
@@ -95,6 +95,38 @@ def test_cuts_apart_by_phase_and_at_each_new_high():
     assert [(c.op, c.excess // MiB) for c in bounds.timing_cuts] == [(t2, 2), (t3, 4), (loss, 5)]
 
 
+def test_prefetches_wait_for_the_last_op_at_each_level():
+    """a1 (2 MiB, 6 s to compute, a 3 s prefetch), b (1 MiB), a2 (1 MiB, read by g2, g2b, g2d), a
+    4 MiB limit. g2..g2c have the same candidates {a1, b}; in MiB over the limit 1, 2, 2, 1: a1
+    must be away through g2d, where the excess last stands at 2 (b alone is too little). Swap a1,
+    recompute b: forward 8.5 s, g2 g2b g2d to 11.5, a1's prefetch to 14.5 (g2c runs meanwhile),
+    g1 to 15.5, b again to 16.5, g0 to 17.5, the optimum. With the worst cut (g2b) and the last
+    (g2c) alone the prefetch seemed to start at 10.5: the MILP's bound was 16.5."""
+    graph, costs = build([("a1", ["x"], 6, 2, CONV), ("b", ["x"], 1, 1, CONV), ("a2", ["b"], 1, 1, CONV),
+                          ("loss", ["a2"], 0.5, 0)],
+                         [("g2", ["a2"], 1), ("g2b", ["a2"], 1), ("g2d", ["a2"], 1), ("g2c", [], 1),
+                          ("g1", ["a1"], 1), ("g0", ["b"], 1)], {"a1": (1, 3), "b": (1, 1), "a2": (1, 1)})
+    prob = Problem(graph, costs, 4 * MiB)
+    g2, g2b, g2d, g2c = 5, 6, 7, 8
+    bounds = Bounds(Evaluator(prob))
+    assert [(c.op, c.excess // MiB) for c in bounds.cuts if c.candidates == (0, 1)] == [(g2b, 2)]
+    assert [(c.op, c.excess // MiB) for c in bounds.timing_cuts] == [(g2, 1), (g2d, 2), (g2c, 1)]
+    times = brute_force(prob)
+    assert min(times.values()) == times[(S, R, K)] == 17.5
+    assert _bounds(prob, Families())[1] == pytest.approx(17.5)
+
+
+@pytest.mark.parametrize("excess, last", [
+    ((1, 2, 2, 1), (3, 2)),  # the last at 1 and the last at 2
+    ((3, 2, 1), (2, 1, 0)),  # falling: every one
+    ((1, 2, 3), (2,)),  # rising: the last alone
+    ((2, 2, 2), (2,)),
+])
+def test_the_last_cut_at_each_level(excess, last):
+    cuts = [Cut(op, True, 0.0, 0.0, 0.0, e, (0,)) for op, e in enumerate(excess)]
+    assert tuple(cut.op for cut in _last_at_each_level(cuts)) == last
+
+
 def test_an_evicted_swap_waits_for_the_offloads_before_it():
     """a1 (3 MiB, an 8 s offload) and a2 (4 MiB, 1 s), 5 s each to compute: t1, right after a2,
     needs a2 evicted. Alone its offload would end at 11 s, but it queues behind a1's (5 to 13 s)
@@ -121,7 +153,6 @@ def test_a_recompute_pays_for_the_ops_its_chain_shares():
                          [("gu", ["u"], 1), ("gb", ["big", "s"], 1)], {"s": (0, 0), "big": (6, 6), "u": (6, 6)})
     prob = Problem(graph, costs, 8 * MiB)
     times = brute_force(prob)
-    R, K = Decision.RECOMPUTE, Decision.KEEP
     assert min(times.values()) == times[(K, R, K)] == times[(S, R, K)] == 11.5
     assert Bounds(Evaluator(prob)).recompute_costs([None] * 3) == [3.0, 1.0, 1.0]
     assert _bounds(prob, Families(chain_work=False))[1] == pytest.approx(8.5)
@@ -135,7 +166,7 @@ def test_the_floor_of_a_net_with_batch_norm_is_closed():
     stalls compute before them all. The model without ``chain_work`` misses both (its bound is 16%
     low); with it the MILP proves the plan's step time."""
     prob = problem("cnn_bn", 0.0, "h100-pcie5")
-    code = {"k": Decision.KEEP, "s": S, "r": Decision.RECOMPUTE}
+    code = {"k": K, "s": S, "r": R}
     plan = Evaluator(prob).evaluate([code[c] for c in "rkkrrkkrskkkk"])
     assert plan.fits and not plan.shared
     assert _bounds(prob, Families())[1] == pytest.approx(plan.step_time, rel=MIP_GAP)
@@ -181,7 +212,7 @@ def test_prefetches_leave_in_the_order_they_are_needed(plan, without, now):
 
     prob = problem("resnet_small", 0.25, "v100-pcie3")
     ev = Evaluator(prob)
-    code = {"k": Decision.KEEP, "s": S, "r": Decision.RECOMPUTE}
+    code = {"k": K, "s": S, "r": R}
     candidate = ev.evaluate([code[c] for c in plan])
     assert candidate.fits
     bound, _ = FixedBound(Bounds(ev)).milp(candidate.decisions, 10_000)
@@ -201,7 +232,6 @@ def test_a_swap_a_recompute_chain_reads_is_back_before_the_chain():
                          {"a1": (1, 3), "c": (8, 8), "t": (8, 8)})
     prob = Problem(graph, costs, 10 * MiB)
     times = brute_force(prob)
-    R, K = Decision.RECOMPUTE, Decision.KEEP
     assert min(times.values()) == times[(S, R, K)] == 14.0
     assert _bounds(prob, Families(chain_deadlines=False))[1] == pytest.approx(13.0)
     assert _bounds(prob, Families())[1] == pytest.approx(14.0)
@@ -218,7 +248,7 @@ def test_a_swap_read_through_two_recomputed_links_is_back_before_the_first():
 
     prob = problem("cnn_bn", 0.25, "h100-pcie5")
     ev = Evaluator(prob)
-    code = {"k": Decision.KEEP, "s": S, "r": Decision.RECOMPUTE}
+    code = {"k": K, "s": S, "r": R}
     plan = ev.evaluate([code[c] for c in "rsssrkkrkkkkk"])
     c, b, d = 7, 4, 3
     assert plan.fits and not plan.shared

@@ -262,8 +262,9 @@ class Bounds:
         """One cut per set of candidates in the forward and one in the backward: the op where the
         in-core plan exceeds the limit most; and, for :mod:`.lp` to time its copies at, the ops
         with that set where the excess first reaches each new high (it bounds when the D2H copies
-        have ended: an earlier op with as much to evict is a stricter deadline) and the last one
-        (when the prefetches may start). Every cut holds on its own.
+        have ended: an earlier op with as much to evict is a stricter deadline) and, the mirror,
+        where it last stands at each level (it bounds when the prefetches may start: a later op
+        with as much to evict holds them back longer). Every cut holds on its own.
 
         A forward and a backward op may have the same candidates (everything saved, around the
         loss), but not the same deadlines: they are cut apart."""
@@ -277,7 +278,7 @@ class Bounds:
         base = graph.resident_bytes - ev.problem.mem_limit
         chosen: dict[tuple[bool, tuple[int, ...]], Cut] = {}
         rising: dict[tuple[bool, tuple[int, ...]], list[Cut]] = {}
-        last: dict[tuple[bool, tuple[int, ...]], Cut] = {}
+        every: dict[tuple[bool, tuple[int, ...]], list[Cut]] = {}
         for c in range(len(graph.ops)):
             i = at[c]
             backward = c >= forward_end
@@ -300,10 +301,11 @@ class Bounds:
                 chosen[key] = cut
             if key not in rising or excess > rising[key][-1].excess:
                 rising.setdefault(key, []).append(cut)
-            last[key] = cut
+            every.setdefault(key, []).append(cut)
         most = {cut.op for cut in chosen.values()}
         earlier = [cut for cuts in rising.values() for cut in cuts]
-        timing = {cut.op: cut for cut in [*earlier, *last.values()] if cut.op not in most}
+        later = [cut for cuts in every.values() for cut in _last_at_each_level(cuts)]
+        timing = {cut.op: cut for cut in sorted([*earlier, *later], key=lambda cut: cut.op) if cut.op not in most}
         return list(chosen.values()), list(timing.values())
 
     def rebuild(self, a: int, recomputable: Sequence[float]) -> tuple[int, set[int]]:
@@ -444,3 +446,13 @@ class Bounds:
 def lower_bound(ev: Evaluator) -> float:
     """A step time no fitting plan beats: the largest cut bound, at least the in-core compute."""
     return Bounds(ev).bound()
+
+
+def _last_at_each_level(cuts: Sequence[Cut]) -> list[Cut]:
+    """Of ``cuts`` in program order, each one after which the excess never again reaches its own:
+    the last op at each level, the last one first among them."""
+    out: list[Cut] = []
+    for cut in reversed(cuts):
+        if not out or cut.excess > out[-1].excess:
+            out.append(cut)
+    return out

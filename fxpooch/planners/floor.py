@@ -4,11 +4,13 @@ time. Each holds at the point every fitting plan gives the model (see :mod:`.lp`
 the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them):
 
 * *Cut ends.* Besides the cut where the in-core plan exceeds the limit most, each candidate set
-  also gets the ops where the excess first reaches each new high, and its last op where it
-  exceeds the limit at all (``Bounds.timing_cuts``; every cut holds on its own): the rising ones
-  bound when the D2H copies must have ended (at GPT-2's loss, the first backward op must already
-  have evicted 1.7 of the 1.9 GiB the worst cut, two matmuls later, asks for), the last when
-  the prefetches may start. And an activation evicted at a backward cut is not on the device while
+  also gets the ops where the excess first reaches each new high, and those where it last stands
+  at each level (``Bounds.timing_cuts``; every cut holds on its own): the rising ones bound when
+  the D2H copies must have ended (at GPT-2's loss, the first backward op must already have
+  evicted 1.7 of the 1.9 GiB the worst cut, two matmuls later, asks for), the falling ones when
+  the prefetches may start (test:resnet_small at its NVLink2 floor: a conv's backward and the add
+  after it need as much evicted as the worst cut, three ops after it; without the add, a
+  prefetch the add holds back seemed to overlap both). And an activation evicted at a backward cut is not on the device while
   the cut's op runs, so its prefetch (an instruction of the compute stream, allocating when
   issued) is issued after that op *ends*: the H2D chain of a backward cut starts at
   ``θ_p + t_p``, not ``θ_p``.
