@@ -55,7 +55,8 @@ def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool 
     offloads = np.bincount(t.offload_pos[swapped], minlength=t.n_forward)
     run_f = np.arange(t.n_forward) + np.concatenate(([0], np.cumsum(offloads)[:-1]))
     forward = t.n_forward + len(swapped)
-    # backward: each op's prefetches, waits and recompute chains, then its RUN
+    # backward: each op's prefetches, recompute chains (each after the waits for the prefetches
+    # it reads) and the other waits, then its RUN
     prefetched = [a for a in first_use if code[a] == 1]
     pf_pos = t.bwd_pos[[first_use[a] for a in prefetched]] if prefetched else np.zeros(0, np.int64)
     extra = 2 * np.bincount(pf_pos, minlength=t.n_backward)
@@ -84,17 +85,25 @@ def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool 
     if len(swapped):
         rank = _rank_within(t.offload_pos[swapped])
         np.maximum.at(last, t.act_buffer[swapped], run_idx[t.offload_pos[swapped]] + 1 + rank)
-    if prefetched:  # in activation order within an op, waits after them
+    if prefetched:  # in activation order within an op
         order = np.argsort(pf_pos, kind="stable")
         pa, pp = np.asarray(prefetched)[order], pf_pos[order]
         first[nb + pa] = group[pp] + _rank_within(pp)
     scratch = np.zeros(n, dtype=np.int64)
     if t.op_scratch is not None:
         scratch[run_idx] = t.op_scratch
-    at = group + 2 * np.bincount(pf_pos, minlength=t.n_backward)  # where each op's chains start
+    at = group + np.bincount(pf_pos, minlength=t.n_backward)  # where each op's chains start
+    waits: dict[int, list[int]] = {}  # op position -> the buffers its group's waits are still for
+    if emitted:
+        for a, p in zip(prefetched, pf_pos.tolist()):
+            waits.setdefault(p, []).append(int(t.act_buffer[a]))
     starts, summaries = [], []
     for b, p in zip(emitted, chain_pos):
         s = _summary(t, graph, b, chains[b], materialises[b])
+        if waits.get(p):  # the waits for the prefetches the chain reads come just before it
+            before = [buf for buf in waits[p] if (s.read_buf == buf).any()]
+            at[p] += len(before)
+            waits[p] = [buf for buf in waits[p] if buf not in before]
         starts.append(int(at[p]))
         at[p] += s.length
         summaries.append(s)

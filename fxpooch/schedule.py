@@ -71,7 +71,9 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
                    recomputes: Recomputes | None = None) -> Schedule:
     """Lay out the step for ``decisions``; prefetches default to just before their first use.
 
-    Recomputes run just before their activation's first backward reader, in that order. With
+    Recomputes run just before their activation's first backward reader, in that order; compute
+    waits for a prefetch just before the first of them that reads it, else just before its reader
+    (a chain that does not read it runs while it is copied). With
     ``share`` (checkpointing's rule), a recompute chain stops at recomputed activations already
     rebuilt (their copies stay alive until their last reader, this chain included), and every
     recomputed activation it rebuilds whole is kept from then on instead of being recomputed again
@@ -142,6 +144,11 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
     buffer_bytes = per_graph(graph, _buffer_columns)[0]
     recompute_reads = graph.recompute_read_buffers
 
+    def chain_reads(b: int) -> set[int]:
+        """The buffers ``b``'s chain reads and does not make itself."""
+        return ({buf for o in chains[b] for buf in recompute_reads[o]}
+                - {buf for o in chains[b] for buf in allocs[o]})
+
     def recompute_instrs(b: int) -> None:
         """The chain's own buffers are fresh copies tagged with ``b``; other reads see ``view``.
         (``emit`` and ``copy_of`` inlined: this runs for every recomputed chain of every schedule.)"""
@@ -200,10 +207,16 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
             if op_id in before:
                 for a in prefetch_at.get(op_id, ()):
                     emit(Kind.PREFETCH, -1, a, (view[acts[a].buffer],), ())
-                for a in wait_at.get(op_id, ()):
-                    emit(Kind.WAIT, -1, a, (), ())
+                waits = wait_at.get(op_id, [])
                 for b in recompute_at.get(op_id, ()):
+                    if waits:  # compute waits for a prefetch only before the first chain that reads it
+                        read = chain_reads(b)
+                        for a in [a for a in waits if acts[a].buffer in read]:
+                            emit(Kind.WAIT, -1, a, (), ())
+                        waits = [a for a in waits if acts[a].buffer not in read]
                     recompute_instrs(b)
+                for a in waits:
+                    emit(Kind.WAIT, -1, a, (), ())
             i = len(instrs)
             new = allocs[op_id]
             read = tuple(map(view.__getitem__, reads[op_id]))

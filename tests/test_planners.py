@@ -408,6 +408,25 @@ def test_moving_prefetches_lays_out_what_building_does():
     assert checked > 1000
 
 
+@pytest.mark.parametrize("b_from, order, step", [
+    ("x", ["prefetch a", "recompute b", "wait a", "run g"], 7.0),  # b's chain runs while a is copied
+    ("a", ["prefetch a", "wait a", "recompute b", "run g"], 9.0),  # b's chain reads a: a is back first
+])
+def test_compute_waits_for_a_prefetch_only_before_what_reads_it(b_from, order, step):
+    """g reads a (swapped, a 2 s prefetch) and b (recomputed, 2 s), so both come back in g's group.
+    Forward 1 + 2 + 1 s; the prefetch and b's chain both start at 4 s. Where b's chain does not
+    read a it runs during the copy and g runs 6-7 s; where it does, compute waits 2 s first."""
+    graph, costs = build([("a", ["x"], 1, 1, CONV), ("b", [b_from], 2, 1, CONV), ("loss", ["b"], 1, 0)],
+                         [("g", ["a", "b"], 1)], {"a": (1, 2), "b": (1, 1)})
+    schedule = build_schedule(graph, [S, R])
+    names = [op.name for op in graph.ops]
+    acts = [act.name for act in graph.activations]
+    group = schedule.instrs[schedule.instrs.index(next(i for i in schedule.instrs if i.kind.value == "prefetch")):]
+    assert [f"{i.kind.value} {names[i.op] if i.kind.value in ('run', 'recompute') else acts[i.act]}"
+            for i in group] == order
+    assert simulate(graph, schedule, costs).step_time == step
+
+
 # --------------------------------------------------------------------------- plans over the limit
 @pytest.mark.parametrize("fraction", [0.5, 0.7, 0.9])
 def test_a_plan_over_the_limit_reads_as_if_simulated(fraction, monkeypatch):
