@@ -271,7 +271,8 @@ def _refresh_task(task: tuple) -> list[tuple[int, dict]]:
 def refresh(path: str, part: str, jobs: int, only: set[str] | None, rerun: bool = False) -> list[dict]:
     """The saved gap rows' columns of ``part``, made again in ``jobs`` processes: ``exact``, on the
     rows that have no optimum and no exact search yet, or one run with other settings than
-    :func:`exact_settings` gives now (``rerun``: or any, after the LP / MILP's model changed);
+    :func:`exact_settings` gives now (``rerun``: every row, after the simulator or the LP /
+    MILP's model changed);
     ``bounds``, the cut, LP and MILP bounds on every row."""
     with open(path) as f:
         data = json.load(f)
@@ -280,8 +281,8 @@ def refresh(path: str, part: str, jobs: int, only: set[str] | None, rerun: bool 
     for i, r in enumerate(rows):
         if only is not None and r["model"] not in only:
             continue
-        stale = rerun or r.get("exact_settings") != exact_settings(r["activations"])
-        if part == "bounds" or (r["optimum"] is None and stale and r["activations"] <= MILP_UP_TO):
+        stale = r["optimum"] is None and r.get("exact_settings") != exact_settings(r["activations"])
+        if part == "bounds" or ((rerun or stale) and r["activations"] <= MILP_UP_TO):
             tasks.setdefault((r["model"], r["batch"], r["hardware"]), []).append((i, r["point"]))
     if part == "exact":
         data["exact_command"] = (f"python benchmarks/planners.py --part exact (EXACT_WORK {EXACT_WORK:,} op-simulations "
@@ -315,8 +316,8 @@ def main(argv=None) -> int:
                          "gap rows (after the model changed); planners: the planners alone "
                          "on the saved gap rows (after a planner changed; the bounds stay)")
     ap.add_argument("--jobs", type=int, default=1, help="processes for --part exact and --part bounds")
-    ap.add_argument("--rerun", action="store_true", help="with --part exact: also the open rows searched with "
-                    "today's settings (after the LP / MILP's model changed)")
+    ap.add_argument("--rerun", action="store_true", help="with --part exact: every row, optimum or not "
+                    "(after the simulator or the LP / MILP's model changed)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "planners.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
