@@ -20,7 +20,8 @@ pytest.importorskip("scipy")
 from fxpooch.planners.lp import LARGE, Families, relaxation, solve  # noqa: E402
 
 WITHOUT = Families(cut_ends=False, streams=False, chain_reads=False, head_reads=False, chain_work=False)
-#: HiGHS stops a MILP within a relative gap of 1e-4: its dual bound may lie that far below its optimum
+#: HiGHS stops a MILP within a relative gap (``lp.MIP_REL_GAP``) and an absolute one: its dual
+#: bound may lie below its optimum, by less than this
 MIP_GAP = 1e-4
 FRACTIONS = (0.3, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 1.0)  # of the in-core peak
 POINTS = (0.0, 0.25, 0.5, 1.0)  # from the floor (0) to in-core (1)
