@@ -9,7 +9,7 @@ import math
 import pytest
 
 from fxpooch.planners import Evaluator, Problem
-from fxpooch.planners.bounds import Bounds, Cut, _last_at_each_level
+from fxpooch.planners.bounds import Bounds, Cut, _new_highs
 from fxpooch.schedule import Decision
 from stepgraphs import CONV, MiB, build
 from test_search import GRAPHS, at_fraction, brute_force, problem
@@ -125,7 +125,7 @@ def test_prefetches_wait_for_the_last_op_at_each_level():
 ])
 def test_the_last_cut_at_each_level(excess, last):
     cuts = [Cut(op, True, 0.0, 0.0, 0.0, e, (0,)) for op, e in enumerate(excess)]
-    assert tuple(cut.op for cut in _last_at_each_level(cuts)) == last
+    assert tuple(cut.op for cut in _new_highs(cuts[::-1])) == last
 
 
 def test_an_evicted_swap_waits_for_the_offloads_before_it():

@@ -276,9 +276,7 @@ class Bounds:
             prefix.append(prefix[-1] + t)
         forward_end = max(stop for _, stop in graph.forward_range)
         base = graph.resident_bytes - ev.problem.mem_limit
-        chosen: dict[tuple[bool, tuple[int, ...]], Cut] = {}
-        rising: dict[tuple[bool, tuple[int, ...]], list[Cut]] = {}
-        every: dict[tuple[bool, tuple[int, ...]], list[Cut]] = {}
+        every: dict[tuple[bool, tuple[int, ...]], list[Cut]] = {}  # per candidate set, in program order
         for c in range(len(graph.ops)):
             i = at[c]
             backward = c >= forward_end
@@ -296,17 +294,14 @@ class Bounds:
             between = prefix[forward_end] - prefix[c] if not backward else 0.0
             cut = Cut(c, backward, prefix[c], between, prefix[-1] - prefix[c] - between, excess, cand)
             key = (backward, cand)  # a forward and a backward cut may evict the same set, by different times
-            old = chosen.get(key)
-            if old is None or excess > old.excess:
-                chosen[key] = cut
-            if key not in rising or excess > rising[key][-1].excess:
-                rising.setdefault(key, []).append(cut)
             every.setdefault(key, []).append(cut)
-        most = {cut.op for cut in chosen.values()}
-        earlier = [cut for cuts in rising.values() for cut in cuts]
-        later = [cut for cuts in every.values() for cut in _last_at_each_level(cuts)]
-        timing = {cut.op: cut for cut in sorted([*earlier, *later], key=lambda cut: cut.op) if cut.op not in most}
-        return list(chosen.values()), list(timing.values())
+        rising = [_new_highs(cuts) for cuts in every.values()]  # the worst cut (the first at its level) last
+        chosen = [highs[-1] for highs in rising]
+        falling = [cut for cuts in every.values() for cut in _new_highs(cuts[::-1])]
+        most = {cut.op for cut in chosen}
+        timing = {cut.op: cut for cut in sorted([*(c for highs in rising for c in highs), *falling],
+                                                key=lambda cut: cut.op) if cut.op not in most}
+        return chosen, list(timing.values())
 
     def rebuild(self, a: int, recomputable: Sequence[float]) -> tuple[int, set[int]]:
         """While a chain rebuilds activation ``a`` at its first reader: the device bytes it holds
@@ -448,11 +443,11 @@ def lower_bound(ev: Evaluator) -> float:
     return Bounds(ev).bound()
 
 
-def _last_at_each_level(cuts: Sequence[Cut]) -> list[Cut]:
-    """Of ``cuts`` in program order, each one after which the excess never again reaches its own:
-    the last op at each level, the last one first among them."""
+def _new_highs(cuts: Sequence[Cut]) -> list[Cut]:
+    """Each of ``cuts`` whose excess is above every one's before it: in program order, the first op
+    at each new high; in reverse, the last op at each level."""
     out: list[Cut] = []
-    for cut in reversed(cuts):
+    for cut in cuts:
         if not out or cut.excess > out[-1].excess:
             out.append(cut)
     return out
