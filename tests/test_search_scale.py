@@ -289,3 +289,39 @@ def test_local_never_slower_than_the_reference_plans(name, hardware, fraction):
         except InfeasibleMemoryLimit:
             continue
         assert local.step_time <= other.step_time * (1 + 1e-12), reference
+
+
+def test_group_search_trades_what_the_sides_changed():
+    """Four blocks of (conv 0.5 s, relu 0.5 s; 2 MiB and 1 MiB; every copy 1 s) at 0.6 of the
+    in-core peak; in core 4 x 1 + 0.5 + 4 x 4.5 = 22.5 s. The whole groups reach "sksksksk"
+    (every conv swapped, 24.0 s), and no trade helps. The sides and tails keep the last conv:
+    "skskskkk", 23.5 s, the backward waiting 0.5 s twice for the prefetches of conv3 and conv2,
+    which the limit holds back until a grad before theirs frees memory. No group, side or tail
+    move helps that plan. Trading the output-side half of the convs, whose last member the
+    sides just changed (kept: conv3), against the input-side half of the relus (swapped: as
+    many bytes) gives "sssskkkk", 23.0 s: the prefetches come in time, and the forward waits
+    0.5 s once, conv4 for conv2's offload to free its 2 MiB (3.0 -> 3.5 s). Only the trades
+    scanned after the sides' descent find it."""
+    graph, costs = chain([0.5, 0.5] * 4, [0.5, 4.0] * 4, [2, 1] * 4, [(1.0, 1.0)] * 8, loss=0.5,
+                         targets=[CONV, RELU] * 4)
+    ev = Evaluator(Problem(graph, costs, int(in_core_peak_bytes(graph) * 0.6)))
+    groups = repeated_groups(ev)
+    convs, relus = groups
+    plan = {p: ev.evaluate([{"k": K, "s": S, "r": R}[c] for c in p])
+            for p in ("kkkkkkkk", "sksksksk", "skskskkk", "sssskkkk")}
+    assert [plan[p].step_time for p in plan] == [22.5, 24.0, 23.5, 23.0]
+    assert [plan[p].fits for p in plan] == [False, True, True, True]
+    assert plan["skskskkk"].timeline.stall == {convs[2]: 0.5, convs[1]: 0.5}
+    assert plan["sssskkkk"].timeline.stall == {}
+    halves = groups + sides(groups, (0.5,))
+    assert group_descent(ev, ev.evaluate(ev.all_swap()), groups, 10**6).decisions == plan["sksksksk"].decisions
+    assert group_trades(ev, plan["sksksksk"], halves, 10**6) is None
+    assert link_trades(ev, plan["sksksksk"], halves, rebuild_times(ev), 10**6) is None
+    moves = groups + sides(groups) + tails(groups)
+    assert group_descent(ev, plan["skskskkk"], moves, 10**6) is plan["skskskkk"]  # no single move helps
+    assert group_descent(ev, plan["sksksksk"], moves, 10**6).decisions == plan["skskskkk"].decisions
+    traded = group_trades(ev, plan["skskskkk"], halves, 10**6, touching={convs[3]})
+    assert traded.decisions == plan["sssskkkk"].decisions
+    found = group_search(ev, ev.evaluate(ev.all_swap()), 10**6)
+    assert found.fits and found.timeline.peak_bytes <= ev.problem.mem_limit
+    assert "".join(d.value[0] for d in found.decisions) == "sssskkkk" and found.step_time == 23.0
