@@ -5,16 +5,18 @@ checkpointing, recompute everything) and, on graphs too large for the exact sear
 (``split.py``: the forward's first activations swapped, the rest recomputed), applies changes to
 groups of activations that repeat across blocks (``groups.py``: a layer's attention scores in
 every layer, say) and trades between two such groups (one kept, the other freed; or one swapped, the other
-recomputed), then single-activation changes (keep / swap / recompute) that make the simulated
-step faster while the peak stays under the limit, until no change helps or its budget
-(op-simulations, so the plan does not depend on the machine) is spent, and where no change helps
-before that, clusters of kept activations that read one another and single changes again; on graphs small enough it then runs the exact search's branch and bound from
-that plan, or from the MILP's point improved the same way where that is faster (with scipy), with
-the budget left. It is never slower than ``pooch`` nor than any reference plan that fits. ``exact``
-finds the optimum over every decision vector (3^n) by branch and bound on the simulator
-(``branch.py``), for graphs of at most ``SearchOptions.max_exact`` activations; ``exact_search``
-runs it on any graph within a budget and returns the best plan found with a proved bound on the
-optimum, which measures how far the heuristics are from it.
+recomputed), then clusters of kept activations that read one another, then single-activation
+changes (keep / swap / recompute) that make the simulated step faster while the peak stays under
+the limit, until no change helps or its budget (op-simulations, so the plan does not depend on the
+machine) is spent (where the budget left is short of one pass of single changes, those first, and
+clusters and single changes again only if no change helps before it ends); on graphs small enough
+it then runs the exact search's branch and bound from that plan, or from the MILP's point
+improved the same way where that is faster (with scipy), with the budget left. It is never
+slower than ``pooch`` nor than any reference plan that fits. ``exact`` finds the optimum over
+every decision vector (3^n) by branch and bound on the simulator (``branch.py``), for graphs of
+at most ``SearchOptions.max_exact`` activations; ``exact_search`` runs it on any graph within a
+budget and returns the best plan found with a proved bound on the optimum, which measures how far
+the heuristics are from it.
 """
 from __future__ import annotations
 
