@@ -16,7 +16,8 @@ of this process, so other load does not inflate them (HiGHS's limit is wall-cloc
 Models: the test zoo (tests/zoo.py), GPT-2 at 2 layers (HuggingFace, as the sweep), an 8-layer
 convnet; ``--models a,b`` runs a subset (also ``resnet50``, ``gpt2``... of ``fxpooch.models``).
 All figures are simulated on the analytic cost model of the named hardware; tracing runs on
-meta tensors (no memory used). Writes benchmarks/results/planners.json.
+meta tensors (no memory used). Writes benchmarks/results/planners.json and the gap table in
+benchmarks/PLANNERS.md.
 
 ``--part sweep`` (also part of the default ``all``) runs ``planners_sweep.py``: the default
 planner over GPT-2 depths, ResNet-50 and the test zoo at limits from the floor to in-core on
@@ -32,7 +33,7 @@ sweep-summary`` reads the gap table again without re-running the sweep.
 
 ``--part exact`` runs only the exact search on the rows of the saved gap part that have no
 optimum and no exact search with today's settings (``exact_settings``), in ``--jobs`` processes,
-and rewrites the JSON and the README's table. ``--part bounds`` re-runs the cut, LP and MILP
+and rewrites the JSON and the gap table in benchmarks/PLANNERS.md. ``--part bounds`` re-runs the cut, LP and MILP
 bounds alone on every saved row (after the model changed), the same way.
 """
 from __future__ import annotations
@@ -339,7 +340,7 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(data, f, indent=1)
         print(gap_table(rows, planners))
-        write_readme(os.path.join(os.path.dirname(__file__), "..", "README.md"), rows, planners)
+        write_gap_table(GAP_DOC, rows, planners)
         return 0
     if args.part in ("all", "sweep", "sweep-planners", "sweep-bounds", "sweep-long", "sweep-summary"):
         only = set(args.models.split(",")) if args.models and args.part != "all" else None
@@ -367,7 +368,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({**data, "rows": rows}, f, indent=1)
-    write_readme(os.path.join(os.path.dirname(__file__), "..", "README.md"), rows, planners)
+    write_gap_table(GAP_DOC, rows, planners)
     print(f"wrote {args.out}")
     return 0
 
@@ -414,11 +415,12 @@ def gap_table(rows: list[dict], planners, markdown: bool = False) -> str:
     return title + "\n" + tabulate(table, headers=headers)
 
 
-README_BEGIN, README_END = "<!-- planners-gap: begin -->", "<!-- planners-gap: end -->"
+GAP_DOC = os.path.join(os.path.dirname(__file__), "PLANNERS.md")
+GAP_BEGIN, GAP_END = "<!-- planners-gap: begin -->", "<!-- planners-gap: end -->"
 
 
-def write_readme(path: str, rows: list[dict], planners) -> None:
-    """Replace the table between the README's gap markers with one made from ``rows``."""
+def write_gap_table(path: str, rows: list[dict], planners) -> None:
+    """Replace the table between ``path``'s gap markers with one made from ``rows``."""
     body = ("\n`python benchmarks/planners.py --part gap` (benchmarks/results/planners.json; simulated on the analytic "
             "cost model; * a MILP stopped at its time limit, its proved bound; (bound) an optimum proved by the "
             "bound; the optimum column from `--part exact`, the exact search at "
@@ -426,7 +428,7 @@ def write_readme(path: str, rows: list[dict], planners) -> None:
             f"{EXACT_LP_UP_TO} activations (after probing where the row's exact_settings say so): open, the best bound and the fastest plan known where the "
             "budget ran out, and local's gap to the optimum as the range they allow):\n\n"
             f"{gap_table(rows, planners, markdown=True)}\n")
-    planners_sweep.replace_between(path, README_BEGIN, README_END, body)
+    planners_sweep.replace_between(path, GAP_BEGIN, GAP_END, body)
 
 
 if __name__ == "__main__":
