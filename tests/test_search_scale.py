@@ -79,6 +79,27 @@ def test_group_search_keeps_the_last_block():
     assert found.step_time == pytest.approx(28.5 + 3 * 0.5, abs=1e-9)
 
 
+def test_group_descent_repeats_a_pass_only_above_its_reserve():
+    """Eight blocks at 0.4 of the in-core peak from swap-all. The descent's first pass ends at
+    its plan; a second one only checks it. With ``reserve`` simulations kept for what comes after
+    (single changes), the second pass runs only while more than that many are left."""
+    graph, costs = deep_chain(8, 2.0)
+
+    def descend(reserve: int) -> tuple[str, int]:
+        ev = Evaluator(Problem(graph, costs, int(in_core_peak_bytes(graph) * 0.4)))
+        groups = repeated_groups(ev)
+        seed = ev.evaluate(ev.all_swap())
+        start = ev.simulations
+        found = group_descent(ev, seed, groups + sides(groups), start + 1000, reserve)
+        return "".join(d.value[0] for d in found.decisions), ev.simulations - start
+
+    plan, repeated = descend(0)
+    one_plan, one = descend(1000)
+    assert plan == one_plan == "sssssssskrkrkkkk" and one < repeated
+    assert descend(1000 - one - 1) == (plan, repeated)  # more than the reserve left: a second pass
+    assert descend(1000 - one) == (plan, one)  # exactly the reserve left: none
+
+
 @pytest.mark.parametrize("blocks", [4, 8, 16])
 @pytest.mark.parametrize("xfer", [0.2, 1.0, 3.0])
 @pytest.mark.parametrize("fraction", [0.3, 0.5, 0.7])
