@@ -34,7 +34,9 @@ sweep-summary`` reads the gap table again without re-running the sweep.
 ``--part exact`` runs only the exact search on the rows of the saved gap part that have no
 optimum and no exact search with today's settings (``exact_settings``), in ``--jobs`` processes,
 and rewrites the JSON and the gap table in benchmarks/PLANNERS.md. ``--part bounds`` re-runs the cut, LP and MILP
-bounds alone on every saved row (after the model changed), the same way.
+bounds alone on every saved row (after the model changed), the same way; ``--part milp
+--milp-seconds S`` the MILP alone with a longer time limit on the rows without an optimum where
+it stopped at its limit.
 """
 from __future__ import annotations
 
@@ -174,7 +176,7 @@ def bound_columns(base, limit: int, exact: bool = True) -> dict:
         t0 = time.process_time()
         value = None if fn is None else fn(Evaluator(problem_of(base, limit)))
         if key == "milp" and value is not None:
-            out["milp_proved"] = value.proved
+            out["milp_proved"], out["milp_seconds"] = value.proved, MILP_SECONDS
             value = value.bound
         out[key] = None if value is None or value == math.inf else value / ic
         out[f"{key}_s"] = time.process_time() - t0
@@ -250,18 +252,35 @@ def limits(base) -> list[tuple[float, int]]:
     return [(point, int(floor + point * (base.in_core_peak_bytes - floor))) for point in POINTS]
 
 
+def milp_columns(base, limit: int, seconds: float, before: dict) -> dict:
+    """The MILP's bound again with a time limit of ``seconds``, where ``before`` (its row) has one
+    that stopped at its limit: the higher of the two (both are proved bounds), its CPU seconds
+    and the limit it ran with."""
+    t0 = time.process_time()
+    found = milp_lower_bound(Evaluator(problem_of(base, limit)), seconds)
+    bound = None if found.bound == math.inf else found.bound / base.in_core_time
+    out = {"milp_s": time.process_time() - t0, "milp_seconds": seconds, "milp_proved": found.proved}
+    if before.get("milp") is not None and (bound is None or before["milp"] > bound):
+        bound, out["milp_proved"] = before["milp"], False
+    return {**out, "milp": bound}
+
+
 def _refresh_task(task: tuple) -> list[tuple[int, dict]]:
     """One model and preset of :func:`refresh`: the columns of ``part`` at each of its rows."""
     (name, batch, hw), part, rows = task
+    part, milp_seconds = part if isinstance(part, tuple) else (part, None)
     torch.set_num_threads(1)
     model, x = build(name, batch)
     base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
     at = dict(limits(base))
     out = []
-    for i, point in rows:
+    for i, point, before in rows:
         if part == "exact":
             out.append((i, exact_columns(base, at[point])))
             said = f"{out[-1][1]['exact_s']:.1f} s, proved {out[-1][1]['exact_proved']}"
+        elif part == "milp":
+            out.append((i, milp_columns(base, at[point], milp_seconds, before)))
+            said = f"MILP {out[-1][1]['milp']} after {out[-1][1]['milp_s']:.1f} s, proved {out[-1][1]['milp_proved']}"
         else:
             out.append((i, bound_columns(base, at[point], exact=False)))
             said = f"MILP {out[-1][1]['milp_s']:.1f} s" if "milp_s" in out[-1][1] else ""
@@ -269,12 +288,14 @@ def _refresh_task(task: tuple) -> list[tuple[int, dict]]:
     return out
 
 
-def refresh(path: str, part: str, jobs: int, only: set[str] | None, rerun: bool = False) -> list[dict]:
+def refresh(path: str, part: str, jobs: int, only: set[str] | None, rerun: bool = False,
+            milp_seconds: float = MILP_SECONDS) -> list[dict]:
     """The saved gap rows' columns of ``part``, made again in ``jobs`` processes: ``exact``, on the
     rows that have no optimum and no exact search yet, or one run with other settings than
     :func:`exact_settings` gives now (``rerun``: every row, after the simulator or the LP /
     MILP's model changed);
-    ``bounds``, the cut, LP and MILP bounds on every row."""
+    ``bounds``, the cut, LP and MILP bounds on every row; ``milp``, the MILP alone with a time
+    limit of ``milp_seconds`` on the rows without an optimum where it stopped at its limit."""
     with open(path) as f:
         data = json.load(f)
     rows = data["rows"]
@@ -283,14 +304,20 @@ def refresh(path: str, part: str, jobs: int, only: set[str] | None, rerun: bool 
         if only is not None and r["model"] not in only:
             continue
         stale = r["optimum"] is None and r.get("exact_settings") != exact_settings(r["activations"])
-        if part == "bounds" or ((rerun or stale) and r["activations"] <= MILP_UP_TO):
-            tasks.setdefault((r["model"], r["batch"], r["hardware"]), []).append((i, r["point"]))
+        stopped = r["optimum"] is None and r.get("milp") is not None and not r.get("milp_proved")
+        if (part == "bounds" or (part == "milp" and stopped)
+                or (part == "exact" and (rerun or stale) and r["activations"] <= MILP_UP_TO)):
+            tasks.setdefault((r["model"], r["batch"], r["hardware"]), []).append((i, r["point"], r))
     if part == "exact":
         data["exact_command"] = (f"python benchmarks/planners.py --part exact (EXACT_WORK {EXACT_WORK:,} op-simulations "
                                  f"per row, the LP after probing at every node up to {EXACT_LP_UP_TO} activations)")
-    else:
+    elif part == "bounds":
         data["bounds_command"] = f"python benchmarks/planners.py --part bounds (MILP_SECONDS {MILP_SECONDS:g})"
-    smallest_first = sorted(((key, part, todo) for key, todo in tasks.items()), key=lambda t: (rows[t[2][0][0]]["ops"], t[0]))
+    else:
+        data["milp_command"] = (f"python benchmarks/planners.py --part milp --milp-seconds {milp_seconds:g}"
+                                + (f" --models {','.join(sorted(only))}" if only else ""))
+    how = (part, milp_seconds) if part == "milp" else part
+    smallest_first = sorted(((key, how, todo) for key, todo in tasks.items()), key=lambda t: (rows[t[2][0][0]]["ops"], t[0]))
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         for done in pool.imap_unordered(_refresh_task, smallest_first):
             for i, cols in done:
@@ -305,7 +332,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small models and fewer presets (a few minutes)")
     ap.add_argument("--models", help="comma list of the models to run (default: all of the chosen set)")
     ap.add_argument("--part", choices=("all", "gap", "sweep", "sweep-planners", "sweep-bounds", "sweep-long", "sweep-summary", "exact", "bounds",
-                                           "planners"),
+                                           "milp", "planners"),
                     default="all",
                     help="gap: planners vs the optimum / bound; sweep: the default planner over models, "
                          "limits and presets, with planning time vs graph size; sweep-planners: the sweep's "
@@ -314,19 +341,22 @@ def main(argv=None) -> int:
                          "(part of the best plan); sweep-summary: the sweep's saved rows summarised again with the "
                          "gap table's bounds and exact plans; exact: the exact search "
                          "alone on the saved gap rows without an optimum; bounds: the bounds alone on the saved "
-                         "gap rows (after the model changed); planners: the planners alone "
+                         "gap rows (after the model changed); milp: the MILP alone, with --milp-seconds, on "
+                         "the saved gap rows without an optimum where it stopped at its time limit; planners: the planners alone "
                          "on the saved gap rows (after a planner changed; the bounds stay)")
-    ap.add_argument("--jobs", type=int, default=1, help="processes for --part exact and --part bounds")
+    ap.add_argument("--jobs", type=int, default=1, help="processes for --part exact, bounds and milp")
+    ap.add_argument("--milp-seconds", type=float, default=MILP_SECONDS, help="with --part milp: HiGHS's time limit "
+                    "per row (wall clock)")
     ap.add_argument("--rerun", action="store_true", help="with --part exact: every row, optimum or not "
                     "(after the simulator or the LP / MILP's model changed)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "planners.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     planners = [p for p in ("pooch", "superneurons", "local") if p in PLANNERS]
-    if args.part in ("exact", "bounds", "planners"):
+    if args.part in ("exact", "bounds", "milp", "planners"):
         only = set(args.models.split(",")) if args.models else None
-        if args.part in ("exact", "bounds"):
-            rows = refresh(args.out, args.part, args.jobs, only, args.rerun)
+        if args.part in ("exact", "bounds", "milp"):
+            rows = refresh(args.out, args.part, args.jobs, only, args.rerun, args.milp_seconds)
         else:
             rows = refresh_planners(args.out, planners, only)
         for r in rows:
@@ -422,7 +452,8 @@ GAP_BEGIN, GAP_END = "<!-- planners-gap: begin -->", "<!-- planners-gap: end -->
 def write_gap_table(path: str, rows: list[dict], planners) -> None:
     """Replace the table between ``path``'s gap markers with one made from ``rows``."""
     body = ("\n`python benchmarks/planners.py --part gap` (benchmarks/results/planners.json; simulated on the analytic "
-            "cost model; * a MILP stopped at its time limit, its proved bound; (bound) an optimum proved by the "
+            "cost model; * a MILP stopped at its time limit, its proved bound (MILP_SECONDS, or where `--part milp` ran "
+            "the row's milp_seconds in the JSON); (bound) an optimum proved by the "
             "bound; the optimum column from `--part exact`, the exact search at "
             f"{EXACT_WORK:,} op-simulations per row, with the LP at every node on graphs of at most "
             f"{EXACT_LP_UP_TO} activations (after probing where the row's exact_settings say so): open, the best bound and the fastest plan known where the "
