@@ -51,12 +51,12 @@ import time
 from itertools import groupby
 
 import torch
-from tabulate import tabulate
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from fxpooch import models as zoo  # noqa: E402
 import planners_sweep  # noqa: E402
+from gap_table import gap_table  # noqa: E402
 
 import fxpooch  # noqa: E402
 from fxpooch.errors import InfeasibleMemoryLimit  # noqa: E402
@@ -403,63 +403,20 @@ def main(argv=None) -> int:
     return 0
 
 
-def gap_table(rows: list[dict], planners, markdown: bool = False) -> str:
-    """Simulated step times relative to in-core, the bounds, the optimum and the default's gaps."""
-    def fmt(v):
-        return "-" if v is None else f"{v:.3f}x"
-
-    def pct(v):
-        return "-" if v is None else f"{v:.1f}%"
-
-    def optimum(r):
-        if r["optimum"] is not None:
-            return fmt(r["optimum"]) + ("" if r["optimum_from"] == "exact" else " (bound)")
-        if r.get("exact_best") is None:
-            return "-"
-        return f"open: {r['bound']:.3f}-{r['best_known']:.3f}x"
-
-    def local_gap(r):
-        if r["local_gap"] is not None or r.get("local_gap_low") is None:
-            return pct(r["local_gap"])
-        return f"{r['local_gap_low']:.1f}-{r['local_gap_high']:.1f}%"
-
-    table = []
-    for r in rows:
-        milp = "-" if r["milp"] is None else fmt(r["milp"]) + ("" if r.get("milp_proved") else "*")
-        row = [r["model"], r["hardware"], f"{r['fraction']:.2f}", r["activations"],
-               *(fmt(r[p]) if r[p] is not None else "fails" for p in planners),
-               "none fits" if r["no_plan_fits"] else fmt(r["cut"]), fmt(r["lp"]), milp, optimum(r),
-               local_gap(r), pct(r["local_gap_bound"]), "-" if r.get("exact_s") is None else f"{r['exact_s']:.1f}"]
-        if not markdown:
-            row.append(" / ".join(f"{r[f'{p}_s']:.1f}" for p in planners) + f" / {r['milp_s']:.1f}")
-        table.append(row)
-    headers = ["model", "hardware", "limit", "acts", *planners, "cut bound", "LP bound", "MILP bound", "optimum",
-               "local gap to optimum", "local gap to bound", "exact CPU s"]
-    if not markdown:
-        headers.append("planning CPU s (" + " / ".join(planners) + " / MILP)")
-    title = ("Simulated step time relative to in-core (analytic cost model, not measured); limit as a fraction of "
-             "in-core, from the floor up; * a MILP stopped at its time limit (its proved bound); (bound) an "
-             "optimum proved by the bound; open: the best bound and the fastest plan known where the exact search's budget ran out:")
-    if markdown:
-        return tabulate(table, headers=headers, tablefmt="github")
-    return title + "\n" + tabulate(table, headers=headers)
-
-
 GAP_DOC = os.path.join(os.path.dirname(__file__), "PLANNERS.md")
 GAP_BEGIN, GAP_END = "<!-- planners-gap: begin -->", "<!-- planners-gap: end -->"
 
 
 def write_gap_table(path: str, rows: list[dict], planners) -> None:
     """Replace the table between ``path``'s gap markers with one made from ``rows``."""
-    body = ("\n`python benchmarks/planners.py --part gap` (benchmarks/results/planners.json; simulated on the analytic "
-            "cost model; * a MILP stopped at its time limit, its proved bound (MILP_SECONDS, or where `--part milp` ran "
-            "the row's milp_seconds in the JSON); (bound) an optimum proved by the "
+    note = ("`python benchmarks/planners.py --part gap` (benchmarks/results/planners.json; simulated on the analytic "
+            f"cost model; * a MILP stopped at its time limit, its proved bound ({MILP_SECONDS:g} s, or where `--part "
+            "milp` ran, the row's milp_seconds in the JSON); (bound) an optimum proved by the "
             "bound; the optimum column from `--part exact`, the exact search at "
             f"{EXACT_WORK:,} op-simulations per row, with the LP at every node on graphs of at most "
-            f"{EXACT_LP_UP_TO} activations (after probing where the row's exact_settings say so): open, the best bound and the fastest plan known where the "
-            "budget ran out, and local's gap to the optimum as the range they allow):\n\n"
-            f"{gap_table(rows, planners, markdown=True)}\n")
-    planners_sweep.replace_between(path, GAP_BEGIN, GAP_END, body)
+            f"{EXACT_LP_UP_TO} activations (after probing where the row's exact_settings say so): open, the best bound "
+            "and the fastest plan known where the budget ran out, and local's gap to the optimum as the range they allow):")
+    planners_sweep.replace_between(path, GAP_BEGIN, GAP_END, f"\n{note}\n\n{gap_table(rows, planners, markdown=True)}\n")
 
 
 if __name__ == "__main__":
