@@ -267,8 +267,7 @@ def milp_columns(base, limit: int, seconds: float, before: dict) -> dict:
 
 def _refresh_task(task: tuple) -> list[tuple[int, dict]]:
     """One model and preset of :func:`refresh`: the columns of ``part`` at each of its rows."""
-    (name, batch, hw), part, rows = task
-    part, milp_seconds = part if isinstance(part, tuple) else (part, None)
+    (name, batch, hw), (part, milp_seconds), rows = task
     torch.set_num_threads(1)
     model, x = build(name, batch)
     base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
@@ -316,8 +315,7 @@ def refresh(path: str, part: str, jobs: int, only: set[str] | None, rerun: bool 
     else:
         data["milp_command"] = (f"python benchmarks/planners.py --part milp --milp-seconds {milp_seconds:g}"
                                 + (f" --models {','.join(sorted(only))}" if only else ""))
-    how = (part, milp_seconds) if part == "milp" else part
-    smallest_first = sorted(((key, how, todo) for key, todo in tasks.items()), key=lambda t: (rows[t[2][0][0]]["ops"], t[0]))
+    smallest_first = sorted(((key, (part, milp_seconds), todo) for key, todo in tasks.items()), key=lambda t: (rows[t[2][0][0]]["ops"], t[0]))
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         for done in pool.imap_unordered(_refresh_task, smallest_first):
             for i, cols in done:

@@ -158,10 +158,10 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     in-core in 12 simulations, after clusters had spent 11 finding nothing; with local search
     first, 1.679x). Where they do, clusters first: on GPT-2 at 2 layers at its floor a cluster
     move is 8% faster than where local search alone ends. For the same reason the group moves'
-    last descent keeps those simulations in reserve (:func:`~.groups.group_search`). On graphs small enough for the exact search,
-    the MILP's point improved the same way (:func:`milp_seed`) and branch and bound from the
-    better plan with the simulations left and the MILP's bound at its root (the optimum when it
-    finishes)."""
+    last descent keeps those simulations in reserve (:func:`~.groups.group_search`). On graphs
+    small enough for the exact search, the MILP's point improved the same way (:func:`milp_seed`)
+    and branch and bound from the better plan with the simulations left and the MILP's bound at
+    its root (the optimum when it finishes)."""
     ev = Evaluator(problem)
     stop_at = simulation_budget(problem.graph, options.work, options.max_simulations, options.min_simulations)
     best = seeds(ev, "local", PoochOptions(step_work=options.seed_work))
@@ -170,8 +170,9 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
         split = split_seed(ev, options.splits, ev.simulations + int(options.split_work * stop_at))
         best = split if split is not None and split.step_time < best.step_time else best
         stop_at += ev.simulations - spent  # more work, not less for the descent
-    best = group_search(ev, best, max(0, stop_at - ev.simulations), SINGLE_CHANGES * len(problem.graph.activations))
-    clusters_first = stop_at - ev.simulations >= SINGLE_CHANGES * len(problem.graph.activations)
+    single_pass = SINGLE_CHANGES * len(problem.graph.activations)
+    best = group_search(ev, best, max(0, stop_at - ev.simulations), single_pass)
+    clusters_first = stop_at - ev.simulations >= single_pass
     if clusters_first:
         best = clusters(ev, best, ev.simulations + (stop_at - ev.simulations) // 2)
     best = local_search(ev, best, max(0, stop_at - ev.simulations))
