@@ -16,7 +16,7 @@ from test_search import GRAPHS, at_fraction, brute_force, problem
 from zoo import MiB
 
 pytest.importorskip("scipy")
-from fxpooch.planners.lp import LARGE, MIP_REL_GAP, lp_lower_bound, relaxation  # noqa: E402
+from fxpooch.planners.lp import LARGE, MIP_REL_GAP, lp_lower_bound, relaxation, solve  # noqa: E402
 from fxpooch.planners.milp import MilpBound, milp_lower_bound  # noqa: E402
 
 
@@ -32,6 +32,19 @@ def test_lp_and_milp_between_the_cut_bound_and_the_optimum(name):
         assert milp.proved
         assert cut <= lp * (1 + 1e-9) and lp <= milp.bound * (1 + 1e-9), fraction
         assert milp.bound <= optimum * (1 + 1e-9), fraction
+
+
+@pytest.mark.parametrize("name", sorted(GRAPHS))
+def test_interior_point_and_simplex_give_one_optimum(name):
+    """Large models are solved by the interior-point method (``lp.IPM_FROM``): with its crossover
+    it ends at the simplex's optimum, so a bound does not depend on the model's size."""
+    graph, costs = GRAPHS[name]()
+    for fraction in (0.45, 0.6, 0.9):
+        model = relaxation(Bounds(Evaluator(at_fraction(graph, costs, fraction))))
+        simplex, ipm = solve(model, ipm_from=model.nonzeros + 1), solve(model, ipm_from=model.nonzeros)
+        assert simplex.status == ipm.status, fraction
+        if simplex.status == 0:
+            assert ipm.fun == pytest.approx(simplex.fun, rel=1e-7), fraction
 
 
 @pytest.mark.parametrize("hardware", ["v100-pcie3", "h100-pcie5"])

@@ -341,17 +341,24 @@ def probed_relaxation(bounds: Bounds, families: Families = Families(), max_nonze
 #: PCIe5 floor only to 0.0001% under `local`'s plan; at 1e-6 its bound meets the plan, in the same
 #: 18 CPU s): the dual bound it returns is a bound either way
 MIP_REL_GAP = 1e-6
+#: nonzeros from which :func:`solve` runs an LP by HiGHS's interior-point method (with crossover:
+#: the same optimum, to HiGHS's tolerances) rather than by its dual simplex. At GPT-2 6L's PCIe3
+#: floor, :data:`LARGE` (0.71M nonzeros): 33 CPU s against 87; :data:`CORE` (2.2M): 222 s, where the
+#: simplex had not ended after 25 minutes; at 2L's (every family) 0.60M: 28-30 s against 34-43, but
+#: 1/4 of the way (0.47M) 37 s against 23-27
+IPM_FROM = 500_000
 
 
-def solve(model: Model, integral: bool = False, time_limit: float | None = None):
-    """HiGHS on ``model`` as an LP, or as a MILP with its binary variables integral (stopped
-    within :data:`MIP_REL_GAP`)."""
+def solve(model: Model, integral: bool = False, time_limit: float | None = None, ipm_from: int = IPM_FROM):
+    """HiGHS on ``model`` as an LP (by the interior-point method from ``ipm_from`` nonzeros on),
+    or as a MILP with its binary variables integral (stopped within :data:`MIP_REL_GAP`)."""
     import numpy as np
     from scipy.optimize import Bounds as VarBounds, LinearConstraint, linprog, milp
 
     c, a_ub, b_ub, a_eq, b_eq, lo, hi = model.matrices()
     if not integral:
-        return linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=list(zip(lo, hi)), method="highs")
+        method = "highs-ipm" if model.nonzeros >= ipm_from else "highs"
+        return linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=list(zip(lo, hi)), method=method)
     options = {"mip_rel_gap": MIP_REL_GAP} | ({} if time_limit is None else {"time_limit": time_limit})
     return milp(c, constraints=[LinearConstraint(a_ub, -np.inf, b_ub), LinearConstraint(a_eq, b_eq, b_eq)],
                 integrality=np.asarray(model.binary, dtype=int), bounds=VarBounds(lo, hi), options=options)
