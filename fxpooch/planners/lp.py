@@ -74,8 +74,10 @@ log = logging.getLogger("fxpooch.planner.lp")
 
 #: nonzeros past which :func:`lp_lower_bound` and :func:`~.milp.milp_lower_bound` build a smaller
 #: model (:data:`FALLBACKS`), then keep the cut bound: HiGHS's time grows much faster than the
-#: model. At GPT-2 6L's PCIe3 floor (137 activations): 0.71M nonzeros solved in 62-80 s, 1.06M in
-#: 310 s, 1.63M in 405 s, 2.0M not after 25 minutes; at 2L's (49), every family, 0.54M in 42 s.
+#: model. At GPT-2 6L's PCIe3 floor (137 activations), by the simplex: 0.71M nonzeros solved in
+#: 62-87 s, 1.06M in 310 s, 1.63M in 405 s, 2.0M not after 25 minutes; by the interior-point
+#: method (:data:`IPM_FROM`) 0.71M in 33 s and 2.2M in 222 s, but 12.9M not in 57 minutes, and at
+#: GPT-2 12L 3.6M took 1,176 s; at 2L's (49), every family, 0.54M in 42 s.
 MAX_NONZEROS = 1_000_000
 #: nonzeros past which probing's model is not built (about 240 bytes a nonzero while built: GPT-2
 #: 6L with every family is 10M nonzeros and 2.5 GB)
@@ -342,11 +344,12 @@ def probed_relaxation(bounds: Bounds, families: Families = Families(), max_nonze
 #: 18 CPU s): the dual bound it returns is a bound either way
 MIP_REL_GAP = 1e-6
 #: nonzeros from which :func:`solve` runs an LP by HiGHS's interior-point method (with crossover:
-#: the same optimum, to HiGHS's tolerances) rather than by its dual simplex. At GPT-2 6L's PCIe3
-#: floor, :data:`LARGE` (0.71M nonzeros): 33 CPU s against 87; :data:`CORE` (2.2M): 222 s, where the
-#: simplex had not ended after 25 minutes; at 2L's (every family) 0.60M: 28-30 s against 34-43, but
-#: 1/4 of the way (0.47M) 37 s against 23-27
-IPM_FROM = 500_000
+#: the same optimum, to HiGHS's tolerances) rather than by its dual simplex: the models past
+#: :data:`MAX_NONZEROS` that a caller asks for. Below it neither wins everywhere: at GPT-2 6L's
+#: PCIe3 floor, :data:`LARGE`'s 0.71M nonzeros in 33 CPU s against 87, but 1/4 of the way (0.61M)
+#: 25 s against 11; past it the simplex stalls (:data:`CORE` at that floor, 2.2M: 222 s by the
+#: interior-point method, not solved by the simplex in 25 minutes)
+IPM_FROM = MAX_NONZEROS + 1
 
 
 def solve(model: Model, integral: bool = False, time_limit: float | None = None, ipm_from: int = IPM_FROM):
