@@ -348,7 +348,7 @@ MIP_REL_GAP = 1e-6
 #: :data:`MAX_NONZEROS` that a caller asks for. Below it neither wins everywhere: at GPT-2 6L's
 #: PCIe3 floor, :data:`LARGE`'s 0.71M nonzeros in 33 CPU s against 87, but 1/4 of the way (0.61M)
 #: 25 s against 11; past it the simplex stalls (:data:`CORE` at that floor, 2.2M: 222 s by the
-#: interior-point method, not solved by the simplex in 25 minutes)
+#: interior-point method; by the simplex, an earlier CORE of 2.0M was not solved in 25 minutes)
 IPM_FROM = MAX_NONZEROS + 1
 
 
