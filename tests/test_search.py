@@ -16,7 +16,8 @@ from torch import nn
 import fxpooch
 from fxpooch.errors import InfeasibleMemoryLimit
 from fxpooch.planners import Evaluator, Problem, get_planner
-from fxpooch.planners.bounds import Bounds, lower_bound, split_bound
+from fxpooch.planners.bounds import Bounds, lower_bound
+from fxpooch.planners.cutbound import split_bound
 from fxpooch.planners.lp import lp_lower_bound
 from stepgraphs import dropout_drawn_only
 from fxpooch.planners.search import ExactSearchTooLarge, SearchOptions, plan_exact

@@ -39,13 +39,9 @@ evicts bytes ``>= e_c = M_c - cap - slack`` at ``c``. Let ``X`` be the swapped e
 Hence ``T >= max(P_c, D(X)) + G_c + max(Q_c + R(Y), H(X))``. Besides, compute waits for the
 copies of ``X`` first read by op ``k`` or earlier before it runs ``k``, so
 ``T >= max(P_c, D(X)) + G_c + H(X ∩ read by k) + tail_k`` (``tail_k``: compute from ``k`` on) for
-each backward op ``k``; the bound takes the largest over a few ``k``. Minimising over every split
-of the evicted bytes, each activation allowed fractionally and, to relax further, as both
-swapped and recomputed, gives a convex piecewise-linear problem in the swapped byte count
-``s``: ``min_s max(P, D*(s)) + G + max(Q + R*(e - s), H*(s))``, with ``D*``, ``H*``, ``R*``
-the cheapest-first (fractional knapsack) curves. Its minimum lies at a breakpoint of a curve or
-where the two sides of a ``max`` cross, and is found exactly. No split reaches ``e``: no plan
-fits (the bound is infinite). This holds for any number of forward/backward pairs: the
+each backward op ``k``; the bound takes the largest over a few ``k``, minimised over every split
+of the evicted bytes (:func:`.cutbound.split_bound`). No split reaches ``e``: no plan fits (the
+bound is infinite). This holds for any number of forward/backward pairs: the
 argument uses program order only. For a partial plan, kept activations leave the candidates,
 recomputed ones are evicted for sure at a forward cut; at a backward cut a shared segment may
 have rebuilt them earlier, so they stay optional evictees there.
@@ -78,13 +74,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 
 from ..graph import Phase
 from ..schedule import Decision, Kind
 from ..segments import NotRecomputable, chain_ops, recompute_chain
 from ..simulator import static_memory
 from .common import Evaluator
+from .cutbound import split_bound
 
 log = logging.getLogger("fxpooch.planner.bounds")
 
@@ -122,65 +118,6 @@ class RebuildPoint:
     #: while its chain holds them (its own chain emitted there evicts ``excess`` + those bytes of
     #: the other candidates)
     heads: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
-
-
-def _curve(items: Sequence[tuple[float, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Cheapest-first cost of evicting x bytes from items ``(seconds, bytes)``, each divisible:
-    the breakpoints ``(bytes, seconds)`` of a convex piecewise-linear curve from (0, 0)."""
-    cost, nbytes = np.array(items, dtype=float).reshape(-1, 2).T
-    some = nbytes > 0
-    cost, nbytes = cost[some], nbytes[some]
-    order = np.argsort(cost / nbytes, kind="stable")
-    return np.concatenate([[0.0], np.cumsum(nbytes[order])]), np.concatenate([[0.0], np.cumsum(cost[order])])
-
-
-def _at(curve: tuple[np.ndarray, np.ndarray], x: np.ndarray) -> np.ndarray:
-    """The curve at each of ``x`` (its last cost beyond its capacity)."""
-    return np.interp(x, *curve)
-
-
-def split_bound(before: float, between: float, after: float, excess: float,
-                swap: Sequence[tuple[float, float, int, int]], recompute: Sequence[tuple[float, int]],
-                tails: Sequence[tuple[int, float]] = ()) -> float:
-    """``min max(before, D) + between + max(after + R, H_k + tail_k)`` over fractional evictions
-    of ``excess`` bytes, for the level ``(k, tail_k)`` where it is largest.
-
-    ``swap``: ``(d2h seconds, h2d seconds, bytes, first reader)`` per swappable candidate;
-    ``recompute``: ``(seconds, bytes)`` per recomputable one. ``H_k`` counts the copies of
-    activations first read by op ``k`` or earlier; ``tail_k`` is the compute from op ``k`` on
-    (those copies end before it starts). The level with every copy and no tail is always
-    included. Infinite when the candidates cannot evict ``excess`` bytes.
-
-    ``s`` bytes swapped, the rest recomputed: every curve is linear between breakpoints, so
-    the minimum lies at a breakpoint or where the two sides of a max cross between two.
-    """
-    if excess <= 0:
-        return before + between + after
-    d, r = _curve([(x, n) for x, _, n, _ in swap]), _curve(recompute)
-    lo, hi = max(0.0, excess - r[0][-1]), min(float(excess), d[0][-1])
-    if lo > hi:
-        return math.inf
-    inner = np.concatenate([d[0], excess - r[0]])
-    out = 0.0
-    for k, tail in [(math.inf, 0.0), *tails]:
-        h = _curve([(y if due <= k else 0.0, n) for _, y, n, due in swap])
-
-        def sides(s: np.ndarray, h=h, tail=tail) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            """At ``s`` bytes swapped: D2H past ``before``, then recomputes and copies after."""
-            return _at(d, s) - before, after + _at(r, excess - s), _at(h, s) + tail
-
-        pts = np.unique(np.concatenate([[lo, hi], inner, h[0]]))
-        pts = pts[(pts >= lo) & (pts <= hi)]
-        dev, rec, copies = sides(pts)
-        best = float(np.min(np.maximum(dev, 0.0) + np.maximum(rec, copies)))
-        for f in (dev, rec - copies):  # a sign change between two breakpoints: the sides cross there
-            cross = np.flatnonzero(f[:-1] * f[1:] < 0)
-            if cross.size:
-                a, b, fa, fb = pts[cross], pts[cross + 1], f[cross], f[cross + 1]
-                cdev, crec, ccopies = sides(a + (b - a) * fa / (fa - fb))
-                best = min(best, float(np.min(np.maximum(cdev, 0.0) + np.maximum(crec, ccopies))))
-        out = max(out, before + between + best)
-    return out
 
 
 class Bounds:
