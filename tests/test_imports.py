@@ -22,7 +22,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("costs", {"hardware", "costmodel", "profile", "scratch", "timing", "calibrate", "limits"}),
     ("schedule", {"segments", "schedule", "footprint", "simulator"}),
     ("planners", {"planners", "planners.registry", "planners.common", "planners.lp", "planners.lpmodel", "planners.probing", "planners.floor", "planners.chains", "planners.issue_order", "planners.milp", "planners.baselines",
-                  "planners.bounds", "planners.fixed", "planners.branch", "planners.pooch", "planners.moves",
+                  "planners.bounds", "planners.cutbound", "planners.fixed", "planners.branch", "planners.pooch", "planners.moves",
                   "planners.split", "planners.groups", "planners.search"}),
     ("plan", {"plan"}),
     ("inspect", {"whatif", "report", "explain", "svg", "trace"}),
