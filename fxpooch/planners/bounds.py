@@ -74,7 +74,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-
 from ..graph import Phase
 from ..schedule import Decision, Kind
 from ..segments import NotRecomputable, chain_ops, recompute_chain
