@@ -25,10 +25,29 @@ from .segments import Recomputes, per_graph, plan_recomputes
 from .types import Decision
 
 
+class Copies(NamedTuple):
+    """The recomputed copies of a plan's activations read in the backward: their instructions'
+    lives, and the part of each their own readers need (from their first reader's group to their
+    last reader). Held outside it, a copy is held for sharing: rebuilt by an earlier chain, or
+    read by a later one."""
+
+    acts: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    need_from: np.ndarray
+    need_to: np.ndarray
+
+    def held_at(self, i: int) -> np.ndarray:
+        """The activations whose copies are held for sharing at instruction ``i``."""
+        live = (self.first <= i) & (i <= self.last)
+        return self.acts[live & ((i < self.need_from) | (i > self.need_to))]
+
+
 class Footprint(NamedTuple):
     memory: np.ndarray  # per instruction: device bytes live (resident excluded, scratch included)
     forward: int  # instructions of the forward (its ops and offloads), laid out first
     recomputes: Recomputes  # the chains (``build_schedule`` takes them)
+    copies: Copies | None = None  # the recomputed copies' lives (None: not known)
 
     @property
     def shared(self) -> bool:  # as ``Schedule.shared``
@@ -47,7 +66,7 @@ def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool 
     t: _Tables = tables
     if recomputes is None:
         recomputes = plan_recomputes(graph, decisions, share)
-    first_use, chains, materialises, _ = recomputes
+    first_use, chains, materialises, _, _ = recomputes
     n_acts, nb = len(decisions), t.n_buffers
     code = np.fromiter((_CODE[d] for d in decisions), dtype=np.int8, count=n_acts)
     swapped = np.flatnonzero(code == 1)
@@ -137,7 +156,11 @@ def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool 
     if own is not None:  # the chains' own buffers
         delta += np.bincount(own[0], own[2], minlength=n + 1) - np.bincount(own[1], own[2], minlength=n + 1)
     memory = np.cumsum(delta[:n]).astype(np.int64) + scratch
-    return Footprint(memory, forward, recomputes)
+    read = np.asarray([a for a in first_use if code[a] == 2], dtype=np.int64)
+    copy = nb + n_acts + read
+    need_from = group[t.bwd_pos[[first_use[a] for a in read]]] if len(read) else read
+    need_to = run_idx[t.bwd_last[t.act_buffer[read]]]
+    return Footprint(memory, forward, recomputes, Copies(read, first[copy], last[copy], need_from, need_to))
 
 
 _CODE = {Decision.KEEP: 0, Decision.SWAP: 1, Decision.RECOMPUTE: 2}

@@ -53,6 +53,8 @@ class Schedule:
     materialises: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     #: did sharing change anything (a chain stopped at, or rebuilt, another recomputed activation)
     shared: bool = False
+    #: recomputed activations whose chains run alone, shared with none (``plan_recomputes(apart=...)``)
+    apart: frozenset[int] = frozenset()
     #: per op: bytes it takes and frees inside itself while it runs (the graph's ``op_scratch``)
     op_scratch: tuple[int, ...] = ()
 
@@ -88,7 +90,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
     acts = graph.activations
     if recomputes is None:
         recomputes = plan_recomputes(graph, decisions, share)
-    first_use, chains, materialises, shared = recomputes
+    first_use, chains, materialises, shared, apart = recomputes
     prefetch = [-1] * len(acts)
     for a, use in first_use.items():
         if decisions[a] is Decision.SWAP:
@@ -234,7 +236,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         decisions=decisions, prefetch_before=tuple(prefetch), instrs=tuple(instrs),
         instance_bytes=tuple(inst_bytes), instance_buffer=tuple(inst_buf), persistent=tuple(persistent),
         last_reader=tuple(last), first_alloc=tuple(first), chains=chains, first_use=first_use,
-        materialises=materialises, shared=shared, op_scratch=graph.op_scratch,
+        materialises=materialises, shared=shared, apart=apart, op_scratch=graph.op_scratch,
     )
 
 

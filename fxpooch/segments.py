@@ -8,7 +8,7 @@ schedule and :mod:`fxpooch.footprint` both read it, so the two cannot disagree.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from .graph import Phase, StepGraph
@@ -84,17 +84,27 @@ class Recomputes(NamedTuple):
     chains: dict[int, tuple[int, ...]]  # activation whose recompute is emitted -> its forward ops
     materialises: dict[int, tuple[int, ...]]  # the same -> the recomputed activations it makes available
     shared: bool  # did sharing change anything
+    #: recomputed activations whose chains run alone, as without sharing (see :func:`plan_recomputes`)
+    apart: frozenset[int] = frozenset()
 
 
-def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool = True) -> Recomputes:
+def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool = True,
+                    apart: Iterable[ActivationId] = ()) -> Recomputes:
     """The recompute chains of ``decisions``, each run just before its activation's first backward
     reader, in that order. With ``share`` (checkpointing's rule), a chain stops at recomputed
     activations already rebuilt, and every recomputed activation it rebuilds whole is kept from
     then on instead of being recomputed again at its own first reader; without it each recomputed
-    activation reruns its whole chain alone."""
+    activation reruns its whole chain alone.
+
+    ``apart`` (with ``share``): recomputed activations that are shared with no chain, held no
+    longer than their own readers need: each reruns its whole chain alone at its first reader,
+    and no other chain keeps it. The set is closed over readers: every recomputed activation
+    whose shortest chain reads one of them is apart too (:func:`apart_closure`), so a shared chain
+    never runs through an activation that is apart."""
     acts = graph.activations
     owner = per_graph(graph, member_owner)
     first_reader = per_graph(graph, _first_readers)
+    apart = apart_closure(graph, decisions, apart) if share else frozenset()
 
     # first backward op that needs each swapped / recomputed activation
     KEEP = Decision.KEEP
@@ -129,7 +139,7 @@ def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool
     for b in recomputed:
         if b in rebuilt:
             continue
-        if not share or b not in first_use:
+        if not share or b not in first_use or b in apart:
             chains[b] = tuple(sorted(remembered(b, lambda c: decisions[c] is Decision.RECOMPUTE)))
             materialises[b] = (b,)
             continue
@@ -148,7 +158,7 @@ def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool
             grown = False
             for c in {owner[x] for x in chain if x in owner} - whole - {b}:
                 if (c in first_use and c not in rebuilt and decisions[c] is Decision.RECOMPUTE
-                        and acts[c].producer in chain):
+                        and c not in apart and acts[c].producer in chain):
                     whole.add(c)
                     chain |= remembered(c, pending)
                     grown = True
@@ -165,7 +175,32 @@ def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool
         for a in read_by[chain]:
             if a != b and decisions[a] is Decision.SWAP and a in first_use:
                 first_use[a] = min(first_use[a], first_use[b])
-    return Recomputes(first_use, chains, materialises, shared)
+    return Recomputes(first_use, chains, materialises, shared, apart)
+
+
+def apart_closure(graph: StepGraph, decisions: Sequence[Decision], apart: Iterable[ActivationId]) -> frozenset[int]:
+    """The recomputed activations of ``apart`` and, in turn, every recomputed activation whose
+    shortest chain reads one of them (``chain_inputs``)."""
+    readers = per_graph(graph, _chain_readers)
+    RECOMPUTE = Decision.RECOMPUTE
+    closed = {a for a in apart if decisions[a] is RECOMPUTE}
+    todo = list(closed)
+    while todo:
+        for r in readers[todo.pop()]:
+            if r not in closed and decisions[r] is RECOMPUTE:
+                closed.add(r)
+                todo.append(r)
+    return frozenset(closed)
+
+
+def _chain_readers(graph: StepGraph) -> tuple[tuple[int, ...], ...]:
+    """Per activation ``c``: the activations whose shortest chain reads it (``chain_inputs``)."""
+    owner = per_graph(graph, member_owner)
+    readers: list[list[int]] = [[] for _ in graph.activations]
+    for a in range(len(graph.activations)):
+        for c in chain_inputs(graph, a, owner):
+            readers[c].append(a)
+    return tuple(map(tuple, readers))
 
 
 def _first_readers(graph: StepGraph) -> tuple[int, ...]:

@@ -30,20 +30,13 @@ def limits(name: str) -> Limits:
     return _limits[name]
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
-@pytest.mark.parametrize("which", ["in_core", "middle", "floor"])
-def test_zoo_matches_eager(name: str, which: str):
-    limit = getattr(limits(name), which)
-    model, x, cm = compile_zoo(name, limit)
+def two_steps_match_eager(model: torch.nn.Module, x: torch.Tensor, cm: fxpooch.CompiledModule, slack: int = 0) -> None:
+    """Two steps of ``cm`` (which wraps ``model``) beside eager on a copy: the independent
+    counter sees the planned program-order peak (less up to ``slack`` bytes) each step, and the
+    gradients, output and buffers equal eager's."""
     eager = copy.deepcopy(model)
     plan = cm.plan
-    assert plan.peak_bytes <= limit
-    counts = plan.counts()
-    if which == "in_core":
-        assert counts["swap"] == counts["recompute"] == 0
-    else:
-        assert counts["swap"] + counts["recompute"] > 0
-
+    limit = plan.mem_limit
     for seed in range(2):  # two steps: the second reuses the plan, pool and graphs
         for m in (model, eager):  # the plan is for a step that starts without gradients
             m.zero_grad(set_to_none=True)
@@ -53,7 +46,6 @@ def test_zoo_matches_eager(name: str, which: str):
         eager_out = eager(x)
         eager_out.backward(torch.ones_like(eager_out))
         # the independent counter sees exactly the planned program-order peak
-        slack = BN_SLACK.get(name, 0)
         assert plan.static_peak_bytes - slack <= measured <= plan.static_peak_bytes
         assert plan.static_peak_bytes <= plan.peak_bytes <= limit
     # seed 1 was the last step of both: compare its effects
@@ -67,6 +59,39 @@ def test_zoo_matches_eager(name: str, which: str):
     torch.testing.assert_close(out, eager(x), rtol=RTOL, atol=ATOL)
     for (n, b), c in zip(model.named_buffers(), eager.buffers()):
         torch.testing.assert_close(b, c, rtol=RTOL, atol=ATOL, msg=lambda m, n=n: f"buffer {n}: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("which", ["in_core", "middle", "floor"])
+def test_zoo_matches_eager(name: str, which: str):
+    limit = getattr(limits(name), which)
+    model, x, cm = compile_zoo(name, limit)
+    plan = cm.plan
+    assert plan.peak_bytes <= limit
+    counts = plan.counts()
+    if which == "in_core":
+        assert counts["swap"] == counts["recompute"] == 0
+    else:
+        assert counts["swap"] + counts["recompute"] > 0
+    two_steps_match_eager(model, x, cm, BN_SLACK.get(name, 0))
+
+
+@pytest.mark.parametrize("name, hardware, fraction", [("resnet_small", "h100-pcie5", 0.0),
+                                                     ("transformer_block", "v100-pcie3", 0.1)])
+def test_a_plan_sharing_its_chains_in_part_matches_eager(name, hardware, fraction):
+    """Near the floor the plan sets some recompute chains apart (``Schedule.apart``: rebuilt alone,
+    kept by no other chain) and shares the others: gradients equal eager's (dropout's output
+    rebuilt from its mask in the transformer block) and the counter sees the planned peak."""
+    model, x = ZOO[name]()
+    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as info:
+        fxpooch.compile(model, x, 1, profile="analytic", hardware=hardware)
+    floor = info.value.min_feasible_bytes
+    in_core = fxpooch.plan(model, x, "1TiB", planner="in-core", profile="analytic", hardware=hardware).in_core_peak_bytes
+    cm = fxpooch.compile(model, x, int(floor + fraction * (in_core - floor)), profile="analytic", hardware=hardware)
+    schedule = cm.plan.schedule
+    recomputed = {a for a, d in enumerate(schedule.decisions) if d is fxpooch.schedule.Decision.RECOMPUTE}
+    assert schedule.apart and schedule.apart < recomputed and schedule.shared
+    two_steps_match_eager(model, x, cm, BN_SLACK.get(name, 0))
 
 
 def test_a_tight_limit_mixes_swap_and_recompute():

@@ -13,6 +13,7 @@ from fxpooch.footprint import program_memory
 from fxpooch.planners import Evaluator
 from fxpooch.planners import common
 from fxpooch.schedule import Decision, build_schedule
+from fxpooch.segments import chain_inputs, member_owner, plan_recomputes
 from fxpooch.simulator import static_memory
 
 K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
@@ -71,3 +72,34 @@ def test_the_evaluator_builds_no_schedule_for_a_plan_over_the_limit(monkeypatch)
     assert (ev.evaluations, ev.rejected, ev.simulations) == (1, 0, 1)
     fresh = Evaluator(dataclasses.replace(prob, mem_limit=10 * prob.mem_limit)).evaluate(keep, share=True)
     assert c.schedule.instrs == fresh.schedule.instrs and c.step_time == fresh.step_time
+
+
+@pytest.mark.parametrize("name, graph", list(_graphs()), ids=lambda v: v if isinstance(v, str) else "")
+def test_program_memory_with_chains_apart(name, graph):
+    """Chains set apart (``plan_recomputes(apart=...)``): the set is closed over readers, none of
+    them is kept by another chain, all of them apart is the unshared schedule, and the program
+    memory is still the built schedule's, exactly, with no copy held for sharing where none is
+    shared."""
+    readers = {c: [a for a in range(len(graph.activations)) if c in chain_inputs(graph, a, member_owner(graph))]
+               for c in range(len(graph.activations))}
+    rng = random.Random(len(name))
+    held = 0
+    for decisions in _vectors(graph, 40, seed=len(name) + 1):
+        recomputed = [a for a, d in enumerate(decisions) if d is R]
+        recomputes = plan_recomputes(graph, decisions, True, rng.sample(recomputed, len(recomputed) // 3))
+        apart = recomputes.apart
+        assert all(r in apart for a in apart for r in readers[a] if decisions[r] is R)
+        assert not any(a in made[1:] for made in recomputes.materialises.values() for a in apart)
+        schedule = build_schedule(graph, decisions, recomputes=recomputes)
+        fp = program_memory(graph, decisions, True, recomputes)
+        np.testing.assert_array_equal(fp.memory, static_memory(schedule))
+        assert schedule.apart == apart
+        shared = program_memory(graph, decisions, True)
+        held += any(len(shared.copies.held_at(i)) for i in range(len(shared.memory)))
+        every = plan_recomputes(graph, decisions, True, recomputed)
+        alone = program_memory(graph, decisions, False)
+        assert every.chains == alone.recomputes.chains and every.materialises == alone.recomputes.materialises
+        np.testing.assert_array_equal(program_memory(graph, decisions, True, every).memory, alone.memory)
+        assert not any(len(alone.copies.held_at(i)) for i in range(len(alone.memory)))
+    if name not in ("mlp", "two_graphs"):  # copies were held for sharing: what apart sets release
+        assert held > 0

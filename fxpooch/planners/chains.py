@@ -64,29 +64,37 @@ def reach(graph, owner: dict[int, int], a: int) -> set[int]:
 
 
 def chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
-                  rec: list[float]) -> tuple[int, list[tuple[int, int, float]]]:
-    """:mod:`.lp`'s sharing rows. A plan's schedule shares recompute segments or it does not
-    (``sigma = 1``). Shared: a head ``b``'s chain rebuilds every recomputed activation its
-    shortest chain reads that is first read later (``y_a + y_b + x_a^r - sigma <= 2``), and
-    through it those that one's chain reads, and so on (a path of recomputed activations first
-    read after ``b``: ``y_c + y_b + sum of x^r on the path - sigma <= 1 + its length``; a chain
-    that rebuilt one of them earlier read the rest then). Not shared: each chain reruns the
-    shortest chains of the recomputed activations it reads, and theirs in turn (``z_ac``);
-    returns ``sigma`` and ``(a, z_ac, seconds)``: what each adds to ``a``'s chain, each op
-    counted once per chain."""
+                  rec: list[float]) -> tuple[dict[int, int], list[tuple[int, int, float]]]:
+    """:mod:`.lp`'s sharing rows. A plan's schedule shares the chains of its recomputed
+    activations but those apart (``sigma_a = 1``; ``plan_recomputes(apart=...)``): a set closed
+    over readers (``sigma_a >= sigma_c + x_a^r - 1`` where ``a``'s shortest chain reads ``c``) of
+    activations recomputed (``sigma_a <= x_a^r``), each rebuilt by its own chain alone at its
+    first reader (``y_a >= sigma_a``). A head ``b`` not apart rebuilds every recomputed
+    activation its shortest chain reads that is first read later (``y_a + y_b + x_a^r - sigma_b
+    <= 2``; none of them is apart, by the closure), and through it those that one's chain reads,
+    and so on (a path of recomputed activations first read after ``b``: ``y_c + y_b + sum of x^r
+    on the path - sigma_b <= 1 + its length``; a chain that rebuilt one of them earlier read the
+    rest then). Apart, a head's chain reruns the shortest chains of the recomputed activations it
+    reads, and theirs in turn (``z_ac``). Returns ``sigma`` per activation of ``y`` and ``(a,
+    z_ac, seconds)``: what each adds to ``a``'s chain, each op counted once per chain."""
     ev = bounds.ev
     graph, owner = ev.graph, ev.owner
-    sigma = model.var(1.0, True)
+    sigma = {a: model.var(1.0, True) for a in y}
     chain = {a: chain_ops(graph, a, lambda c: False, owner, strict=False) for a in y}
     reads = {a: sorted(c for c in {owner[v] for o in ops for v in graph.ops[o].recompute_args if v in owner} - {a}
                        if c in y) for a, ops in chain.items()}
+    for a in y:
+        model.ge([(x[("r", a)], 1.0), (sigma[a], -1.0)], 0.0)
+        model.ge([(y[a], 1.0), (sigma[a], -1.0)], 0.0)
+        for c in reads[a]:
+            model.ge([(sigma[a], 1.0), (sigma[c], -1.0), (x[("r", a)], -1.0)], -1.0)
     fr = bounds.first_reader
     for b in y:  # through every path of recomputed activations first read after b
         path = {a: (a,) for a in reads[b] if fr[a] > fr[b]}
         queue = list(path)
         while queue:
             a = queue.pop(0)
-            model.ge([(y[a], -1.0), (y[b], -1.0), *((x[("r", c)], -1.0) for c in path[a]), (sigma, 1.0)],
+            model.ge([(y[a], -1.0), (y[b], -1.0), *((x[("r", c)], -1.0) for c in path[a]), (sigma[b], 1.0)],
                      -1.0 - len(path[a]))
             for c in reads[a]:
                 if c not in path and c != b and fr[c] > fr[b]:
@@ -102,7 +110,7 @@ def chain_sharing(bounds: Bounds, model: Model, x: dict, y: dict[int, int],
             c = queue.pop(0)
             z = model.var(1.0)
             if parent[c] is None:
-                model.ge([(z, 1.0), (x[("r", a)], -1.0), (x[("r", c)], -1.0), (sigma, -1.0)], -2.0)
+                model.ge([(z, 1.0), (x[("r", a)], -1.0), (x[("r", c)], -1.0), (sigma[a], -1.0)], -2.0)
             else:
                 model.ge([(z, 1.0), (parent[c], -1.0), (x[("r", c)], -1.0)], -1.0)
             cost = sum(op_time[o] for o in chain[c] - seen) / model.unit

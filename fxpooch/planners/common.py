@@ -16,6 +16,7 @@ from ..schedule import Decision, Kind, Schedule, build_schedule, move_prefetches
 from ..segments import NotRecomputable, Recomputes, can_recompute, member_owner, plan_recomputes
 from ..footprint import Footprint, program_memory
 from ..simulator import Timeline, simulate, static_memory
+from .sharing import partly_shared
 from ..types import Costs
 
 log = logging.getLogger("fxpooch.planner")
@@ -206,7 +207,8 @@ class Evaluator:
         """The simulated plan, or None when a recompute decision cannot be realised.
 
         ``share``: recompute shared segments once (see :func:`build_schedule`); None: do so
-        unless only the unshared schedule fits (it holds fewer rebuilt activations at once).
+        where that fits, else the faster of the unshared schedule (it holds fewer rebuilt
+        activations at once) and one whose chains are shared in part (:mod:`.sharing`) that fit.
         """
         key = (tuple(decisions), early_prefetch, share)
         if key in self._cache:
@@ -216,8 +218,10 @@ class Evaluator:
             candidate = self.evaluate(decisions, early_prefetch, True)
             if (candidate is not None and not candidate.fits and candidate.shared
                     and self.forward_may_fit(candidate)):
+                partly = self._partly_shared(candidate, early_prefetch)
                 alone = self.evaluate(decisions, early_prefetch, False)
-                candidate = alone if alone is not None and alone.fits else candidate
+                fitting = [c for c in (partly, alone) if c is not None and c.fits]
+                candidate = min(fitting, key=lambda c: c.step_time) if fitting else candidate
         else:
             candidate = self._evaluate(key[0], early_prefetch, share)
         self._cache[key] = candidate
@@ -247,8 +251,8 @@ class Evaluator:
         """A lower bound on the step time of every schedule of ``decisions``: the compute stream
         runs each op, and each op of every recompute chain, one after another, and each link moves
         its copies one after another (with ``Costs.serial_copies``, the compute stream makes them
-        too). Chains counted shared: an unshared schedule runs each of their ops at least as often.
-        Raises NotRecomputable where ``decisions`` cannot be realised."""
+        too). Chains counted shared: a schedule with chains apart (or none shared) runs each of
+        their ops at least as often. Raises NotRecomputable where ``decisions`` cannot be realised."""
         costs = self.problem.costs
         op_time = costs.op_time
         recomputes = self.shared_recomputes(decisions)
@@ -293,6 +297,26 @@ class Evaluator:
             self.rejected += jit is None
             return Unjudged(decisions, footprint, layout, lambda schedule: self._judged_late(schedule, early, jit is None))
         return self._judged(layout(), early)
+
+    def _partly_shared(self, shared: Candidate, early: bool) -> Candidate | None:
+        """The plan of ``shared``'s decisions with recompute segments shared in part
+        (:mod:`.sharing`) where it fits (None: not found, or ``shared`` was judged already). Each
+        program-order memory it computes counts as a plan rejected."""
+        if not isinstance(shared, Unjudged):
+            return None
+        recomputes, tried = partly_shared(self.graph, shared.decisions, shared._footprint, self.fits_program)
+        self.evaluations += tried
+        self.rejected += tried - (recomputes is not None)
+        if recomputes is None:
+            return None
+        c = self.evaluate_recomputes(shared.decisions, recomputes, early)
+        return c if c.fits else None
+
+    def evaluate_recomputes(self, decisions: Sequence[Decision], recomputes: Recomputes,
+                            early_prefetch: bool = True) -> Candidate:
+        """The simulated plan of ``decisions`` with the recompute chains ``recomputes`` (say,
+        ``plan_recomputes(graph, decisions, apart=...)``), not memoised."""
+        return self._judged(build_schedule(self.graph, decisions, recomputes=recomputes), early_prefetch)
 
     def _judged_late(self, jit: Schedule, early: bool, rejected: bool) -> Candidate:
         """An :class:`Unjudged` plan judged when read: a simulation after all."""

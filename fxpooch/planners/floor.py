@@ -47,8 +47,8 @@ the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them
 * *Chain work.* Every chain that rebuilds ``a`` runs each op of ``a``'s shortest chain (``chain_ops``
   with every other activation available), and a shared segment runs an op once for all it
   rebuilds: so the step runs each op ``o`` in the shortest chain of some recomputed activation,
-  ``T >= compute + sum_o t_o u_o`` with ``u_o >= x_a^r`` for each such ``a``, plus the reruns of an
-  unshared schedule (``z_ac``; :func:`.chains.chain_sharing`). This is the recompute term of the
+  ``T >= compute + sum_o t_o u_o`` with ``u_o >= x_a^r`` for each such ``a``, plus the reruns of the
+  chains apart (``z_ac``; :func:`.chains.chain_sharing`). This is the recompute term of the
   model's whole step, tighter than the costs of ``Bounds.recompute_costs``, which give an op to
   the lowest-numbered activation whose chain has it, recomputed or not (a conv's batch norm
   counted for its statistics, a small activation kept, and never for the large one recomputed).
@@ -62,13 +62,13 @@ the MILP's bounds stay lower bounds with any of them (``lp.Families`` picks them
   after the chain of the conv after its ReLU ran it).
   And the same after each point ``p``: what is evicted there is rebuilt after ``θ_p``, so ``T >=
   θ_p + tail_p + sum_o t_o v_op`` with ``v_op >= r_ap`` over the evicted ``a`` whose shortest chain
-  has ``o``. An unshared schedule emits ``a``'s own chain at its first reader, rerunning the chains
+  has ``o``. Apart, ``a``'s own chain runs at its first reader, rerunning the chains
   of the recomputed activations it reads, so each ``z_ac`` adds its seconds there too once ``a``
   is evicted at ``p`` (``w >= z_ac + r_ap - 1``): a prefetch stall before ``p`` then delays them all.
   In first-reader order too: the chain of each evictee ``a`` runs before ``a``'s first reader, so
   the first point from it on starts no earlier than ``θ_p`` plus those chains and the compute
-  between; shared, ``a`` counts ``Bounds.recompute_costs``'s seconds, unshared (``u >= r_ap +
-  sigma - 1``) its whole shortest chain and its reruns.
+  between; shared, ``a`` counts ``Bounds.recompute_costs``'s seconds, apart (``u >= r_ap +
+  sigma_a - 1``) its whole shortest chain and its reruns.
 * *Chain deadlines.* A swapped ``d`` that the shortest chain of a recomputed ``c`` reads is
   prefetched before the first chain that reads it (``build_schedule``), which runs by ``c``'s
   first reader: so compute reaches that reader only after ``d``'s prefetch and the ops of ``c``'s
@@ -207,10 +207,10 @@ def read_by_chains(bounds: Bounds, model: Model, x: dict, points: list[_Point],
 
 
 def chain_work(bounds: Bounds, model: Model, x: dict, points: list[_Point], theta: list[int],
-               prefix: list[float], suffix: list[float], evicted: dict[tuple[int, int], int], sigma: int,
+               prefix: list[float], suffix: list[float], evicted: dict[tuple[int, int], int], sigma: dict[int, int],
                reruns: list[tuple[int, int, float]], rec: list[float]) -> None:
     """The recompute work of the whole step and after each point (the module docstring, *Chain
-    work*). ``evicted``: ``(point, activation) -> r_ap``; ``sigma``: the schedule is not shared;
+    work*). ``evicted``: ``(point, activation) -> r_ap``; ``sigma``: per activation, its chain is apart;
     ``reruns``: ``(a, z_ac, seconds)``."""
     graph, owner = bounds.ev.graph, bounds.ev.owner
     op_time, fr = bounds.ev.problem.costs.op_time, bounds.first_reader
@@ -271,7 +271,7 @@ def chain_work(bounds: Bounds, model: Model, x: dict, points: list[_Point], thet
         model.ge([(0, 1.0), (theta[i], -1.0), *union(chosen),
                   *((w, -seconds) for ws in own.values() for w, seconds in ws)], suffix[points[i].op])
         # by each evictee's first reader its recompute ran, and those of the evictees read
-        # earlier: ``rec`` each where shared; unshared, its whole shortest chain and its reruns
+        # earlier: ``rec`` each where shared; apart, its whole shortest chain and its reruns
         prev = None
         for a in sorted(chosen, key=lambda a: (fr[a], a)):
             r = model.var()
@@ -279,7 +279,7 @@ def chain_work(bounds: Bounds, model: Model, x: dict, points: list[_Point], thet
             more = sum(op_time[o] for o in shortest[a]) / model.unit - rec[a]
             if more > 0:
                 u = model.var(1.0)
-                model.ge([(u, 1.0), (chosen[a], -1.0), (sigma, -1.0)], -1.0)
+                model.ge([(u, 1.0), (chosen[a], -1.0), (sigma[a], -1.0)], -1.0)
                 terms.append((u, -more))
             terms.extend((w, -seconds) for w, seconds in own.get(a, ()))
             model.ge(terms, 0.0)

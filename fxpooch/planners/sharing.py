@@ -1,0 +1,72 @@
+"""Recompute segments shared in part: the plan between sharing every segment and none.
+
+A shared schedule runs each recomputed segment once and keeps what its chain rebuilds until its own
+readers come (checkpointing's rule); an unshared one reruns every chain alone and holds each copy
+no longer than its readers need. Near the floor the shared schedule is often over the limit at a
+few instructions only, where copies are held for sharing, while the unshared one fits and pays
+every rerun. :func:`partly_shared` keeps sharing everywhere but where it costs the peak: it sets
+apart (``plan_recomputes(apart=...)``) the copies held for sharing at the program-order peak,
+and again at the next peak, until the plan fits or no copy is held there.
+
+Example: copies of activations 4 and 7, held from instructions 10 and 20 (rebuilt by earlier
+chains) though their readers need them from 25 and 35 on:
+
+>>> import numpy as np
+>>> from fxpooch.footprint import Copies
+>>> from fxpooch.planners.sharing import held_at_peak
+>>> copies = Copies(np.array([4, 7]), np.array([10, 20]), np.array([30, 40]), np.array([25, 35]), np.array([30, 40]))
+>>> held_at_peak(np.array([0, 5, 9]), copies).tolist()  # the peak, instruction 2, holds neither
+[]
+>>> held_at_peak(np.array([0] * 22 + [9] + [0] * 20), copies).tolist()  # at 22 both are held early
+[4, 7]
+>>> held_at_peak(np.array([0] * 27 + [9] + [0] * 20), copies).tolist()  # at 27, 4 is needed
+[7]
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..footprint import Copies, Footprint, program_memory
+from ..graph import StepGraph
+from ..schedule import Decision
+from ..segments import Recomputes, plan_recomputes
+
+log = logging.getLogger("fxpooch.planner.sharing")
+
+
+def held_at_peak(memory: np.ndarray, copies: Copies) -> np.ndarray:
+    """The activations whose recomputed copies are held for sharing at ``memory``'s peak."""
+    return copies.held_at(int(memory.argmax())) if len(memory) else copies.acts[:0]
+
+
+def partly_shared(graph: StepGraph, decisions: Sequence[Decision], shared: Footprint,
+                  fits: Callable[[np.ndarray], bool]) -> tuple[Recomputes | None, int]:
+    """The recompute chains of ``decisions`` with copies held for sharing set apart, one at a
+    time, until ``fits(memory)`` holds (None: no set found that way fits), and how many
+    program-order memories that took beyond ``shared``, the footprint of the shared schedule.
+
+    Each step tries each copy held for sharing at the current peak: the first set that fits
+    with the fewest activations apart ends the search, else the one with the lowest peak
+    goes on (setting two apart at once can miss: their closure over readers holds more)."""
+    decisions = tuple(decisions)
+    footprint, tried = shared, 0
+    while footprint is not None and footprint.copies is not None:
+        if fits(footprint.memory):
+            log.debug("partly shared: %d of %d recomputed activations apart", len(footprint.recomputes.apart),
+                      decisions.count(Decision.RECOMPUTE))
+            return footprint.recomputes, tried
+        apart = footprint.recomputes.apart
+        trials = []
+        for a in sorted(set(held_at_peak(footprint.memory, footprint.copies).tolist()) - apart):
+            recomputes = plan_recomputes(graph, decisions, True, apart | {a})
+            trial = program_memory(graph, decisions, True, recomputes)
+            tried += 1
+            if trial is not None:
+                trials.append(trial)
+        fitting = [t for t in trials if fits(t.memory)]
+        footprint = (min(fitting, key=lambda t: len(t.recomputes.apart)) if fitting
+                     else min(trials, key=lambda t: int(t.memory.max()), default=None))
+    return None, tried
