@@ -42,15 +42,26 @@ def held_at_peak(memory: np.ndarray, copies: Copies) -> np.ndarray:
     return copies.held_at(int(memory.argmax())) if len(memory) else copies.acts[:0]
 
 
-def partly_shared(graph: StepGraph, decisions: Sequence[Decision], shared: Footprint,
-                  fits: Callable[[np.ndarray], bool]) -> tuple[Recomputes | None, int]:
-    """The recompute chains of ``decisions`` with copies held for sharing set apart, one at a
-    time, until ``fits(memory)`` holds (None: no set found that way fits), and how many
-    program-order memories that took beyond ``shared``, the footprint of the shared schedule.
+#: program-order memories :func:`partly_shared` computes for one plan at most (counted as plans
+#: rejected, an eighth of a simulation each, though on GPT-2 they cost about a fifth: the recompute
+#: chains are laid out again). Every one is budget the search does not spend on moves: at GPT-2
+#: 12L's PCIe3 floor `local` planned 1.706x in-core with 16, 1.727x with 64, 1.618x with 4 (and
+#: 1.731x with no sharing in part); with 4, 24L's 1.540x against 1.693x. Without a cap, recompute
+#: everything there took 150 (9.8 of 12 CPU s of planning)
+MAX_TRIALS = 4
 
-    Each step tries each copy held for sharing at the current peak: the first set that fits
-    with the fewest activations apart ends the search, else the one with the lowest peak
-    goes on (setting two apart at once can miss: their closure over readers holds more)."""
+
+def partly_shared(graph: StepGraph, decisions: Sequence[Decision], shared: Footprint,
+                  fits: Callable[[np.ndarray], bool], max_trials: int = MAX_TRIALS) -> tuple[Recomputes | None, int]:
+    """The recompute chains of ``decisions`` with copies held for sharing set apart until
+    ``fits(memory)`` holds (None: no set found within ``max_trials`` program-order memories
+    fits), and how many program-order memories that took beyond ``shared``, the footprint of
+    the shared schedule.
+
+    Each step tries each copy held for sharing at the current peak alone: the first set that
+    fits with the fewest activations apart ends the search, else the one with the lowest peak
+    goes on (setting two apart at once can miss: their closure over readers holds more). Where
+    the trials left are fewer than the copies held, it sets them all apart at once."""
     decisions = tuple(decisions)
     footprint, tried = shared, 0
     while footprint is not None and footprint.copies is not None:
@@ -59,10 +70,13 @@ def partly_shared(graph: StepGraph, decisions: Sequence[Decision], shared: Footp
                       decisions.count(Decision.RECOMPUTE))
             return footprint.recomputes, tried
         apart = footprint.recomputes.apart
+        held = sorted(set(held_at_peak(footprint.memory, footprint.copies).tolist()) - apart)
+        if not held or tried >= max_trials:
+            break
+        sets = [apart | {a} for a in held] if tried + len(held) <= max_trials else [apart | set(held)]
         trials = []
-        for a in sorted(set(held_at_peak(footprint.memory, footprint.copies).tolist()) - apart):
-            recomputes = plan_recomputes(graph, decisions, True, apart | {a})
-            trial = program_memory(graph, decisions, True, recomputes)
+        for more in sets:
+            trial = program_memory(graph, decisions, True, plan_recomputes(graph, decisions, True, more))
             tried += 1
             if trial is not None:
                 trials.append(trial)
