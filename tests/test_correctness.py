@@ -76,7 +76,7 @@ def test_zoo_matches_eager(name: str, which: str):
     two_steps_match_eager(model, x, cm, BN_SLACK.get(name, 0))
 
 
-@pytest.mark.parametrize("name, hardware, fraction", [("resnet_small", "h100-pcie5", 0.0),
+@pytest.mark.parametrize("name, hardware, fraction", [("resnet_small", "v100-pcie3", 0.1),
                                                      ("transformer_block", "v100-pcie3", 0.1)])
 def test_a_plan_sharing_its_chains_in_part_matches_eager(name, hardware, fraction):
     """Near the floor the plan sets some recompute chains apart (``Schedule.apart``: rebuilt alone,

@@ -42,12 +42,11 @@ def held_at_peak(memory: np.ndarray, copies: Copies) -> np.ndarray:
     return copies.held_at(int(memory.argmax())) if len(memory) else copies.acts[:0]
 
 
-#: program-order memories :func:`partly_shared` computes for one plan at most (counted as plans
-#: rejected, an eighth of a simulation each, though on GPT-2 they cost about a fifth: the recompute
-#: chains are laid out again). Every one is budget the search does not spend on moves: at GPT-2
-#: 12L's PCIe3 floor `local` planned 1.706x in-core with 16, 1.727x with 64, 1.618x with 4 (and
-#: 1.731x with no sharing in part); with 4, 24L's 1.540x against 1.693x. Without a cap, recompute
-#: everything there took 150 (9.8 of 12 CPU s of planning)
+#: program-order memories :func:`partly_shared` computes for one plan at most (each counted as a
+#: plan rejected, an eighth of a simulation, though on GPT-2 one costs about a fifth: the chains
+#: are laid out again). Each is budget the search does not spend on moves: trying every plan over
+#: the limit in part, GPT-2 12L's PCIe3 floor planned 1.706x in-core with 16, 1.727x with 64,
+#: 1.618x with 4; without a cap, recompute everything there took 150 (9.8 of 12 CPU s)
 MAX_TRIALS = 4
 
 
