@@ -44,10 +44,10 @@ def held_at_peak(memory: np.ndarray, copies: Copies) -> np.ndarray:
 
 #: program-order memories :func:`partly_shared` computes for one plan at most (each counted as a
 #: plan rejected, an eighth of a simulation, though on GPT-2 one costs about a fifth: the chains
-#: are laid out again). Each is budget the search does not spend on moves: trying every plan over
-#: the limit in part, GPT-2 12L's PCIe3 floor planned 1.706x in-core with 16, 1.727x with 64,
-#: 1.618x with 4; without a cap, recompute everything there took 150 (9.8 of 12 CPU s)
-MAX_TRIALS = 4
+#: are laid out again). Without a cap, recompute everything at GPT-2 12L's floor took 150 (9.8 of
+#: 12 CPU s of planning). With 16, ResNet-50's PCIe5 floor plans 1.750x in-core, with 4 1.904x
+#: (GPT-2 12L's PCIe3 floor 1.618x either way)
+MAX_TRIALS = 16
 
 
 def partly_shared(graph: StepGraph, decisions: Sequence[Decision], shared: Footprint,
