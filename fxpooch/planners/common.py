@@ -16,8 +16,8 @@ from ..schedule import Decision, Kind, Schedule, build_schedule, move_prefetches
 from ..segments import NotRecomputable, Recomputes, can_recompute, member_owner, plan_recomputes
 from ..footprint import Footprint, program_memory
 from ..simulator import Timeline, simulate, static_memory
-from .sharing import partly_shared
 from ..types import Costs
+from .sharing import partly_shared
 
 log = logging.getLogger("fxpooch.planner")
 
@@ -211,7 +211,8 @@ class Evaluator:
         activations at once), the faster of it and one whose chains are shared in part
         (:mod:`.sharing`) that fits. Only there: near the floor most plans fit neither way, and
         the search spends its budget better on other plans than on sharing them in part
-        (ResNet-50's PCIe5 floor: 1.750x in-core, 1.905x trying every plan).
+        (ResNet-50's PCIe5 floor: 1.750x in-core; 1.905x trying every plan over the limit, at
+        most 4 memories each).
         """
         key = (tuple(decisions), early_prefetch, share)
         if key in self._cache:

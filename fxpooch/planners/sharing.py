@@ -46,9 +46,10 @@ def held_at_peak(memory: np.ndarray, copies: Copies) -> np.ndarray:
 
 #: program-order memories :func:`partly_shared` computes for one plan at most (each counted as a
 #: plan rejected, an eighth of a simulation, though on GPT-2 one costs about a fifth: the chains
-#: are laid out again). Without a cap, recompute everything at GPT-2 12L's floor took 150 (9.8 of
-#: 12 CPU s of planning). With 16, ResNet-50's PCIe5 floor plans 1.750x in-core, with 4 1.904x
-#: (GPT-2 12L's PCIe3 floor 1.618x either way)
+#: are laid out again). Without a cap, tried on every plan over the limit, one seed of GPT-2 12L's
+#: plan over NVLink2 a quarter of the way took 150 (9.8 of 12 CPU s of planning). With 16,
+#: ResNet-50's PCIe5 floor plans 1.750x in-core, with 4 1.904x (GPT-2 12L's PCIe3 floor 1.618x
+#: either way)
 MAX_TRIALS = 16
 
 
