@@ -21,7 +21,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("graph", {"graph"}),
     ("costs", {"hardware", "costmodel", "profile", "scratch", "timing", "calibrate", "limits"}),
     ("schedule", {"segments", "schedule", "footprint", "simulator"}),
-    ("planners", {"planners", "planners.registry", "planners.common", "planners.sharing", "planners.lp", "planners.lpmodel", "planners.probing", "planners.floor", "planners.chains", "planners.issue_order", "planners.milp", "planners.baselines",
+    ("planners", {"planners", "planners.registry", "planners.common", "planners.prefetch", "planners.sharing", "planners.lp", "planners.lpmodel", "planners.probing", "planners.floor", "planners.chains", "planners.issue_order", "planners.milp", "planners.baselines",
                   "planners.bounds", "planners.cutbound", "planners.fixed", "planners.branch", "planners.pooch", "planners.moves",
                   "planners.split", "planners.groups", "planners.search"}),
     ("plan", {"plan"}),

@@ -1,7 +1,6 @@
-"""What every planner shares: the problem, a caching evaluator, prefetch placement, the floor."""
+"""What every planner shares: the problem, a caching evaluator, the floor."""
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
 from collections import OrderedDict
@@ -12,11 +11,12 @@ import numpy as np
 
 from ..errors import InfeasibleMemoryLimit
 from ..graph import StepGraph
-from ..schedule import Decision, Kind, Schedule, build_schedule, move_prefetches
+from ..schedule import Decision, Schedule, build_schedule, move_prefetches
 from ..segments import NotRecomputable, Recomputes, can_recompute, member_owner, plan_recomputes
 from ..footprint import Footprint, program_memory
 from ..simulator import Timeline, simulate, static_memory
 from ..types import Costs
+from .prefetch import place_prefetches
 from .sharing import partly_shared
 
 log = logging.getLogger("fxpooch.planner")
@@ -115,54 +115,6 @@ class Unjudged(Candidate):
     @property
     def program_memory(self) -> np.ndarray:
         return self._footprint.memory
-
-
-def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
-    """Section 4.3: issue each swap-in as early as memory allows (FIFO on the H2D stream).
-
-    ``jit`` is the just-in-time schedule of the decisions; ``budget`` the device bytes available
-    beyond resident ones. Works on the program-order memory curve of ``jit``, raising it as each
-    prefetch moves earlier.
-    """
-    mem = static_memory(jit)
-    group_start: dict[int, int] = {}  # op -> first instruction of its group (what runs just for it)
-    prefetch_index: dict[int, int] = {}  # swapped activation -> its prefetch in ``jit``
-    pending_group = -1
-    RUN, OFFLOAD, PREFETCH = Kind.RUN, Kind.OFFLOAD, Kind.PREFETCH
-    for i, (kind, op, act, *_) in enumerate(jit.instrs):
-        if kind is RUN:
-            group_start[op] = i if pending_group < 0 else pending_group
-            pending_group = -1
-        elif kind is OFFLOAD:  # follows its producer's run; belongs to no later op's group
-            pending_group = -1
-        else:
-            pending_group = i if pending_group < 0 else pending_group
-            if kind is PREFETCH:
-                prefetch_index[act] = i
-    placed = list(jit.prefetch_before)
-    floor_index: dict[int, int] = {}  # per backward graph: prefetches stay in FIFO order
-    groups: dict[int, tuple[list[int], list[int]]] = {}  # graph -> (group starts, ops), ascending
-    for a in sorted(prefetch_index, key=prefetch_index.get):
-        g = graph.activations[a].graph
-        start, stop = graph.backward_range[g]
-        if g not in groups:
-            ops = [op for op in range(start, stop) if op in group_start]
-            groups[g] = ([group_start[op] for op in ops], ops)
-        starts, ops = groups[g]
-        jit_i = prefetch_index[a]
-        nbytes = jit.instance_bytes[jit.instrs[jit_i].allocs[0]]
-        lo = max(starts[0], floor_index.get(g, 0))
-        # walking back from jit_i, the running max of memory only grows: count the steps that fit
-        running = np.maximum.accumulate(mem[lo:jit_i][::-1])
-        best = jit_i - int(np.searchsorted(running, budget - nbytes, side="right"))
-        # snap to the start of a backward op's group (not later than the just-in-time one)
-        k = bisect.bisect_left(starts, best)
-        choice = ops[k] if k < len(ops) and ops[k] <= jit.prefetch_before[a] else jit.prefetch_before[a]
-        gi = group_start[choice]
-        mem[gi:jit_i] += nbytes
-        floor_index[g] = gi
-        placed[a] = choice
-    return placed
 
 
 def simulation_budget(graph: StepGraph, work: int, at_most: int, at_least: int = 1) -> int:
