@@ -44,10 +44,11 @@ log = logging.getLogger("fxpooch.planner.search")
 class SearchOptions:
     #: work for the whole ``local`` planner, its seeds included, in op-simulations (a simulation
     #: of a step of n ops counts n; see ``PoochOptions.step_work``): deterministic, and a planning
-    #: time linear in the graph's size. On this project's 2-core machine a 2,000-op step plans in
+    #: time linear in the graph's size. On this project's 2-core machine a 2,000-op step planned in
     #: at most about 5 s (GPT-2 at 12 layers, 2,239 ops: 0.3 to 4.0 s), GPT-2 at 48 layers (8,683
     #: ops) in 3.5 to 22.2 s (``benchmarks/planners.py --part sweep-planners``, the collector
-    #: paused). A plan over the limit in program order, or no faster by its step-time bound, counts
+    #: paused; the machine's speed varies: benchmarks/PLANNERS.md, "Planning time"). A plan over
+    #: the limit in program order, or no faster by its step-time bound, counts
     #: an eighth (``common.REJECTIONS_PER_SIMULATION``).
     work: int = 500_000
     #: fewest simulations the search gets however large the graph (PoocH's seed included): its
