@@ -198,9 +198,10 @@ def exact_settings(activations: int) -> dict:
     LP of ``planners/fixed.py`` at every node up to :data:`EXACT_LP_UP_TO` activations (at the
     floors only the LP lifts the bound: test:cnn_bn's PCIe5 floor is proved in 23,605 units of
     work with it, and stays at the root's bound after 32,258 without); with the LP, the families
-    of inequalities its model has (``lp.Families``), after probing."""
+    of inequalities its model has (``lp.Families``), after probing. Its evaluator shares recompute
+    chains in part wherever the shared schedule is over the limit (``share_in_part``)."""
     lp_bounds = activations <= EXACT_LP_UP_TO
-    out = {"work": EXACT_WORK, "lp_bounds": lp_bounds}
+    out = {"work": EXACT_WORK, "lp_bounds": lp_bounds, "share_in_part": "always"}
     if lp_bounds:
         out["families"] = families_on()
         out["probing"] = True
@@ -230,15 +231,15 @@ def exact_columns(base, limit: int) -> dict:
 
 
 def gaps(row: dict, planners) -> None:
-    """Each planner's gap to the optimum and to the best bound; a plan that meets the bound is
-    optimal. Where the optimum is open, ``_gap_low`` / ``_gap_high``: the gap to the fastest plan
+    """Each planner's gap to the optimum and to the best bound; a plan (a planner's or the exact
+    search's) that meets the bound is optimal. Where the optimum is open, ``_gap_low`` / ``_gap_high``: the gap to the fastest plan
     known (any planner's or the exact search's) and to the best bound (the optimum lies between)."""
     found = [row[p] for p in planners if row[p] is not None]
     proved = [row[k] for k in ("cut", "lp", "milp", "exact_bound") if row.get(k) is not None]
     row["bound"] = max(proved) if proved else None
-    if row["optimum"] is None and found and row["bound"] is not None and min(found) <= row["bound"] * (1 + 1e-9):
-        row["optimum"], row["optimum_from"] = min(found), "bound"
     known = [v for v in (*found, row.get("exact_best")) if v is not None]
+    if row["optimum"] is None and known and row["bound"] is not None and min(known) <= row["bound"] * (1 + 1e-9):
+        row["optimum"], row["optimum_from"] = min(known), "bound"  # a plan meets a proved bound
     row["best_known"] = min(known) if known else None  # the fastest plan any planner or the exact search found
     for p in planners:
         for key, ref in (("gap", row["optimum"]), ("gap_bound", row["bound"]),

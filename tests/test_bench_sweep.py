@@ -61,3 +61,23 @@ def test_with_gap_table_makes_a_bound_tight(tmp_path):
     s = summary(rows)
     assert s["rows_with_tight_bound"] == 1 and s["worst_gap_to_tight_bound"] == pytest.approx(1.5 / 1.4 - 1)
     assert with_gap_table(rows, str(tmp_path / "missing.json"))[0]["best_bound"] == 1.2  # no gap table: its own
+
+
+def gap_table_row(**values) -> dict:
+    return {"pooch": 1.3, "superneurons": None, "local": 1.2, "cut": 1.0, "lp": None, "milp": None,
+            "exact_bound": None, "exact_best": None, "optimum": None, "optimum_from": None, **values}
+
+
+@pytest.mark.parametrize("row, optimum, best_known", [
+    (gap_table_row(milp=1.2), 1.2, 1.2),  # local's plan meets the MILP's bound
+    (gap_table_row(milp=1.1, exact_best=1.1), 1.1, 1.1),  # so does the exact search's, faster
+    (gap_table_row(milp=1.1, exact_best=1.15), None, 1.15),  # none does: open
+    (gap_table_row(milp=1.1, exact_best=1.1, optimum=1.1, optimum_from="exact"), 1.1, 1.1),
+])
+def test_the_gap_tables_optimum_is_a_plan_meeting_a_proved_bound(row, optimum, best_known):
+    """benchmarks/planners.py's gap table: a plan, a planner's or the exact search's, that meets
+    the highest proved bound is the optimum."""
+    from planners import gaps as gap_table_gaps
+    gap_table_gaps(row, ("pooch", "superneurons", "local"))
+    assert (row["optimum"], row["best_known"]) == (optimum, best_known)
+    assert row["local_gap"] == (None if optimum is None else pytest.approx(100 * (1.2 / optimum - 1)))

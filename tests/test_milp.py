@@ -134,12 +134,30 @@ def test_the_milps_optimum_at_resnet_small_floor_is_a_plan_sharing_in_part():
     assert bound.proved
     assert bound.bound <= plan.step_time <= bound.bound * 1.004
     ev = Evaluator(prob)
-    decisions = [{"k": Decision.KEEP, "s": Decision.SWAP, "r": Decision.RECOMPUTE}[c]
-                 for c in "rsrrrkksrkksskksrkksskkkrkkkk"]
-    assert not ev.evaluate(decisions, share=True).fits and not ev.evaluate(decisions, share=False).fits
-    apart = ev.evaluate_recomputes(decisions, plan_recomputes(prob.graph, decisions, True, [3]))
+    assert not ev.evaluate(RESNET_SMALL_PCIE5_FLOOR, share=True).fits
+    assert not ev.evaluate(RESNET_SMALL_PCIE5_FLOOR, share=False).fits
+    apart = ev.evaluate_recomputes(RESNET_SMALL_PCIE5_FLOOR, plan_recomputes(prob.graph, RESNET_SMALL_PCIE5_FLOOR, True, [3]))
     assert apart.fits and apart.schedule.apart == {3, 4}
     assert apart.step_time == pytest.approx(bound.bound, rel=MIP_REL_GAP)
+
+
+#: the MILP's point at test:resnet_small's PCIe5 floor (keep / swap / recompute per activation)
+RESNET_SMALL_PCIE5_FLOOR = tuple({"k": Decision.KEEP, "s": Decision.SWAP, "r": Decision.RECOMPUTE}[c]
+                                 for c in "rsrrrkksrkksskksrkksskkkrkkkk")
+
+
+def test_the_exact_searchs_evaluator_shares_in_part_where_neither_schedule_fits():
+    """The evaluator shares chains in part only where the unshared schedule fits; the exact
+    search's (``share_in_part_always``) also where it does not, so it finds the plan the MILP's
+    bound is (the test above): the same chains apart as set by hand, the same step time."""
+    prob = problem("resnet_small", 0.0, "h100-pcie5")
+    assert not Evaluator(prob).evaluate(RESNET_SMALL_PCIE5_FLOOR).fits
+    ev = Evaluator(prob, share_in_part_always=True)
+    found = ev.evaluate(RESNET_SMALL_PCIE5_FLOOR)
+    assert found.fits and found.schedule.apart == {3, 4}
+    by_hand = ev.evaluate_recomputes(RESNET_SMALL_PCIE5_FLOOR,
+                                     plan_recomputes(prob.graph, RESNET_SMALL_PCIE5_FLOOR, True, [3]))
+    assert found.step_time == by_hand.step_time
 
 
 def brute_force_sharing(prob) -> tuple[float, int]:

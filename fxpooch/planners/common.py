@@ -132,8 +132,12 @@ class Evaluator:
     timeline: about a megabyte for a step of 4,000 instructions); searches revisit recent plans.
     """
 
-    def __init__(self, problem: Problem, cache_size: int = 256):
+    def __init__(self, problem: Problem, cache_size: int = 256, share_in_part_always: bool = False):
         self.problem = problem
+        #: :meth:`evaluate` tries sharing in part wherever the shared schedule is over the limit,
+        #: not only where the unshared one fits (the exact search: its plans meet the MILP's
+        #: bound, which is over every sharing)
+        self.share_in_part_always = share_in_part_always
         self.graph = problem.graph
         self.owner = member_owner(problem.graph)
         self.cache_size = cache_size
@@ -164,7 +168,7 @@ class Evaluator:
         (:mod:`.sharing`) that fits. Only there: near the floor most plans fit neither way, and
         the search spends its budget better on other plans than on sharing them in part
         (ResNet-50's PCIe5 floor: 1.750x in-core; 1.905x trying every plan over the limit, at
-        most 4 memories each).
+        most 4 memories each); with ``share_in_part_always``, wherever the shared one does not fit.
         """
         key = (tuple(decisions), early_prefetch, share)
         if key in self._cache:
@@ -175,9 +179,13 @@ class Evaluator:
             if (candidate is not None and not candidate.fits and candidate.shared
                     and self.forward_may_fit(candidate)):
                 alone = self.evaluate(decisions, early_prefetch, False)
-                if alone is not None and alone.fits:
+                alone_fits = alone is not None and alone.fits
+                if alone_fits or self.share_in_part_always:
                     partly = self._partly_shared(candidate, early_prefetch)
-                    candidate = partly if partly is not None and partly.step_time < alone.step_time else alone
+                    if alone_fits:
+                        candidate = partly if partly is not None and partly.step_time < alone.step_time else alone
+                    elif partly is not None:
+                        candidate = partly
         else:
             candidate = self._evaluate(key[0], early_prefetch, share)
         self._cache[key] = candidate

@@ -249,8 +249,10 @@ def exact_search(problem: Problem, options: SearchOptions = SearchOptions(), wor
     fast as the bounds allow. Deterministic, and its time bounded by ``work``: the budget counts
     simulations, bounds and solves, not seconds. Where it runs out the result is not an optimum
     (``proved`` is False) but ``bound`` is still a lower bound on every fitting plan's step time,
-    so ``best`` is within ``gap`` of the optimum."""
-    ev = Evaluator(problem)
+    so ``best`` is within ``gap`` of the optimum. Its evaluator shares recompute chains in part
+    wherever the shared schedule is over the limit (``Evaluator.share_in_part_always``), so a plan
+    the MILP's bound counts (over every sharing) is one it can find."""
+    ev = Evaluator(problem, share_in_part_always=True)
     local_budget = simulation_budget(problem.graph, options.work, options.max_simulations)
     try:
         seed = local_search(ev, seeds(ev, "exact"), local_budget)
