@@ -10,6 +10,7 @@ last reader finishes; for an offloaded activation that includes its D2H copy (th
 """
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 
@@ -29,9 +30,21 @@ class Timeline:
     d2h_end: dict[int, float]  # activation -> its offload's end
     h2d_end: dict[int, float]
     stall: dict[int, float]  # activation -> seconds compute waited for its prefetch
-    memory: tuple[tuple[float, int], ...]  # (time, bytes) after each change, resident included
     start: tuple[float, ...]  # per instruction
     end: tuple[float, ...]
+    resident_bytes: int
+    #: the device memory's changes (time, order, bytes), as made: order sorts those at one time
+    #: (an instruction's allocations, then its op's scratch freed, then its frees)
+    events: list[tuple[float, float, int]]
+
+    @functools.cached_property
+    def memory(self) -> tuple[tuple[float, int], ...]:
+        """(time, bytes) after each change, resident included."""
+        cur, memory = self.resident_bytes, []
+        for when, _, delta in sorted(self.events):
+            cur += delta
+            memory.append((when, cur))
+        return tuple(memory)
 
 
 def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int | None = None) -> Timeline:
@@ -40,19 +53,7 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
     instrs = schedule.instrs
     n = len(instrs)
     inst_bytes = schedule.instance_bytes
-    persistent, last_reader = schedule.persistent, schedule.last_reader
-    new_bytes = [0] * n  # device bytes each instruction allocates
-    frees_after: list[list[int] | None] = [None] * n  # instruction -> instances it last reads
-    for x, a in enumerate(schedule.first_alloc):
-        nbytes = inst_bytes[x]
-        if a >= 0 and nbytes:
-            new_bytes[a] += nbytes
-            if not persistent[x]:
-                r = last_reader[x]
-                if frees_after[r] is None:
-                    frees_after[r] = [x]
-                else:
-                    frees_after[r].append(x)
+    new_bytes, freed_at, frees_after = _frees(graph, schedule)
     # the forward's instructions come first: its ops, each followed by its offloads
     forward_last = sum(stop - start for start, stop in graph.forward_range) - 1 + sum(
         d is Decision.SWAP for d in schedule.decisions)
@@ -62,7 +63,7 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
     scratch = schedule.instr_scratch  # held from an op's start to its end, on top of what it allocates
     op_time, d2h_time, h2d_time, serial = costs.op_time, costs.d2h_time, costs.h2d_time, costs.serial_copies
     pending: list[tuple[float, int]] = []  # heap of (free time, bytes) of frees still ahead
-    live = graph.resident_bytes
+    live = peak = graph.resident_bytes
     start, end = [0.0] * n, [0.0] * n
     # memory events (time, order, delta); order puts an instruction's allocs before its frees
     timed: list[tuple[float, float, int]] = []
@@ -85,7 +86,11 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
                     if when > t:
                         t = when
                     live -= nbytes
+                    while pending and pending[0][0] <= t:  # others at that time (before it in time order)
+                        live -= heapq.heappop(pending)[1]
                 live += need
+                if live + extra > peak:  # every change before this one in time order is counted
+                    peak = live + extra
             event((t, i, need + extra))
         if kind is RUN or kind is RECOMPUTE:
             s = t
@@ -119,10 +124,13 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
         # compute-stream times never decrease, so an instance is free once its last reader ends,
         # or its offload does if that is later; frees not after the compute stream's time are
         # taken at once (every later allocation happens no earlier)
-        frees = frees_after[i]
+        freed_now = freed_at[i]
+        frees = frees_after.get(i)
         if frees is None:
+            if freed_now:
+                live -= freed_now
+                event((t, i + 0.5, -freed_now))
             continue
-        freed_now = 0
         for x in frees:
             when = copied_until.get(x, 0.0) if copied_until else 0.0
             if when < e:
@@ -138,19 +146,37 @@ def simulate(graph: StepGraph, schedule: Schedule, costs: Costs, mem_limit: int 
         if freed_now:
             live -= freed_now
             event((t, i + 0.5, -freed_now))
-    timed.sort()  # nearly sorted already: only delayed frees are out of order
-    cur = peak = graph.resident_bytes
-    memory = []
-    for when, _, delta in timed:
-        cur += delta
-        memory.append((when, cur))
-        if cur > peak:
-            peak = cur
     static = static_memory(schedule)
     static_peak = graph.resident_bytes + max(int(static.max()) if len(static) else 0, 0)
     forward_end = end[forward_last] if forward_last >= 0 else 0.0
     return Timeline(max(t, d2h, h2d), peak, static_peak, forward_end, d2h_end, h2d_end, stall,
-                    tuple(memory), tuple(start), tuple(end))
+                    tuple(start), tuple(end), graph.resident_bytes, timed)
+
+
+def _frees(graph: StepGraph, schedule: Schedule) -> tuple[list[int], list[int], dict[int, list[int]]]:
+    """Per instruction: the device bytes it allocates, and the bytes of the instances it reads
+    last that are free when it ends (on the compute stream: a run's or a recompute's); per
+    instruction, the instances it reads last that may be free later, in order: an offloaded
+    activation's (its copy may still run), or one no instruction reads (its last reader is its
+    allocator, a prefetch perhaps, which ends on its own stream)."""
+    n = len(schedule.instrs)
+    nbytes = np.asarray(schedule.instance_bytes, dtype=np.int64)
+    alloc = np.asarray(schedule.first_alloc, dtype=np.int64)
+    last = np.asarray(schedule.last_reader, dtype=np.int64)
+    live = (alloc >= 0) & (nbytes > 0)
+    freed = live & ~np.asarray(schedule.persistent, dtype=bool)
+    later = alloc == last
+    offloaded = [graph.activations[a].buffer for a, d in enumerate(schedule.decisions) if d is Decision.SWAP]
+    later[offloaded] = True
+    later &= freed
+    now = freed & ~later
+    # float sums of integers below 2**53: exact
+    new_bytes = np.bincount(alloc[live], nbytes[live], minlength=n).astype(np.int64).tolist()
+    freed_at = np.bincount(last[now], nbytes[now], minlength=n).astype(np.int64).tolist()
+    frees_after: dict[int, list[int]] = {}
+    for x in np.flatnonzero(later).tolist():
+        frees_after.setdefault(int(last[x]), []).append(x)
+    return new_bytes[:n], freed_at[:n], frees_after
 
 
 def release_points(graph: StepGraph, schedule: Schedule, timeline: Timeline) -> dict[ActivationId, OpId]:
