@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -36,6 +37,11 @@ class Instr(NamedTuple):
     reads: tuple[InstanceId, ...] = ()
 
 
+#: :attr:`Schedule.kinds`' code of each kind
+KIND_CODE = {kind: code for code, kind in enumerate(Kind)}
+_kind_of = operator.itemgetter(0)
+
+
 @dataclass(frozen=True)
 class Schedule:
     decisions: tuple[Decision, ...]  # per activation
@@ -57,6 +63,11 @@ class Schedule:
     apart: frozenset[int] = frozenset()
     #: per op: bytes it takes and frees inside itself while it runs (the graph's ``op_scratch``)
     op_scratch: tuple[int, ...] = ()
+
+    @functools.cached_property
+    def kinds(self) -> np.ndarray:
+        """Per instruction: its kind's index in :class:`Kind` (``KIND_CODE``), for vector work."""
+        return np.fromiter(map(KIND_CODE.__getitem__, map(_kind_of, self.instrs)), dtype=np.int8, count=len(self.instrs))
 
     @functools.cached_property
     def instr_scratch(self) -> tuple[int, ...]:
@@ -272,12 +283,8 @@ def move_prefetches(schedule: Schedule, prefetch_before: Sequence[OpId]) -> Sche
     for a in sorted((a for a, t in enumerate(target) if t >= 0), key=lambda a: first_use[a]):
         at.setdefault(target[a], []).append(a)
     instrs = schedule.instrs
-    n = len(instrs)
-    new_index = _moved_order(instrs, at)
-    out = [None] * int(new_index.max() + 1 if n else 0)
-    for i, j in enumerate(new_index.tolist()):
-        if j >= 0:
-            out[j] = instrs[i]
+    new_index, order = _moved_order(schedule, at)
+    out = list(map(instrs.__getitem__, order.tolist()))
 
     def remap(indices: tuple[int, ...]) -> tuple[int, ...]:
         x = np.asarray(indices, dtype=np.int64)
@@ -287,23 +294,24 @@ def move_prefetches(schedule: Schedule, prefetch_before: Sequence[OpId]) -> Sche
                                last_reader=remap(schedule.last_reader), first_alloc=remap(schedule.first_alloc))
 
 
-def _moved_order(instrs: tuple[Instr, ...], at: dict[int, list[int]]) -> np.ndarray:
+def _moved_order(schedule: Schedule, at: dict[int, list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Per instruction: its index once the prefetches of ``at[op]`` (activations, in order) are
-    issued just before backward op ``op``'s group; -1 for a prefetch of no ``at`` list.
+    issued just before backward op ``op``'s group; -1 for a prefetch of no ``at`` list. And the
+    instructions in their new order.
 
     A group is the non-prefetch instructions since the last RUN or OFFLOAD, up to and including
     the RUN that closes it (an offload follows its producer's run and belongs to no later group).
     """
+    instrs, kinds = schedule.instrs, schedule.kinds
     n = len(instrs)
-    PREFETCH, RUN, OFFLOAD = Kind.PREFETCH, Kind.RUN, Kind.OFFLOAD
-    kinds = [ins[0] for ins in instrs]
-    is_prefetch = np.fromiter((k is PREFETCH for k in kinds), dtype=bool, count=n)
-    closes = np.fromiter((k is RUN or k is OFFLOAD for k in kinds), dtype=bool, count=n)
+    is_prefetch = kinds == KIND_CODE[Kind.PREFETCH]
+    is_run = kinds == KIND_CODE[Kind.RUN]
+    closes = is_run | (kinds == KIND_CODE[Kind.OFFLOAD])
     positions = np.arange(n, dtype=np.int64)
     last_close = np.maximum.accumulate(np.where(closes, positions, -1)) if n else positions
     next_kept = np.minimum.accumulate(np.where(is_prefetch, n, positions)[::-1])[::-1]
     prefetch_of = {instrs[i][2]: i for i in np.flatnonzero(is_prefetch).tolist()}
-    run_of = {instrs[i][1]: i for i in np.flatnonzero(closes).tolist() if kinds[i] is RUN and instrs[i][1] in at}
+    run_of = {instrs[i][1]: i for i in np.flatnonzero(is_run).tolist() if instrs[i][1] in at}
     kept = np.flatnonzero(~is_prefetch)
     moved, primary, secondary = [], [], []
     for op, acts in at.items():
@@ -321,4 +329,4 @@ def _moved_order(instrs: tuple[Instr, ...], at: dict[int, list[int]]) -> np.ndar
     order = items[np.lexsort((ranks, keys))]
     new_index = np.full(n, -1, dtype=np.int64)
     new_index[order] = np.arange(len(order), dtype=np.int64)
-    return new_index
+    return new_index, order

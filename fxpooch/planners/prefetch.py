@@ -11,7 +11,7 @@ import bisect
 import numpy as np
 
 from ..graph import StepGraph
-from ..schedule import Kind, Schedule
+from ..schedule import KIND_CODE, Kind, Schedule
 from ..simulator import static_memory
 
 
@@ -23,20 +23,16 @@ def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
     prefetch moves earlier.
     """
     mem = static_memory(jit)
-    group_start: dict[int, int] = {}  # op -> first instruction of its group (what runs just for it)
-    prefetch_index: dict[int, int] = {}  # swapped activation -> its prefetch in ``jit``
-    pending_group = -1
-    RUN, OFFLOAD, PREFETCH = Kind.RUN, Kind.OFFLOAD, Kind.PREFETCH
-    for i, (kind, op, act, *_) in enumerate(jit.instrs):
-        if kind is RUN:
-            group_start[op] = i if pending_group < 0 else pending_group
-            pending_group = -1
-        elif kind is OFFLOAD:  # follows its producer's run; belongs to no later op's group
-            pending_group = -1
-        else:
-            pending_group = i if pending_group < 0 else pending_group
-            if kind is PREFETCH:
-                prefetch_index[act] = i
+    instrs, kinds = jit.instrs, jit.kinds
+    # op -> first instruction of its group (what runs just for it): the one after the last run
+    # or offload before its run (an offload follows its producer's run, in no later op's group)
+    runs = np.flatnonzero(kinds == KIND_CODE[Kind.RUN])
+    closes = np.flatnonzero((kinds == KIND_CODE[Kind.RUN]) | (kinds == KIND_CODE[Kind.OFFLOAD]))
+    after_close = np.concatenate(([0], closes[:-1] + 1)) if len(closes) else closes
+    starts_of_runs = after_close[np.searchsorted(closes, runs)]
+    group_start = dict(zip([instrs[i][1] for i in runs.tolist()], starts_of_runs.tolist()))
+    # swapped activation -> its prefetch in ``jit``
+    prefetch_index = {instrs[i][2]: i for i in np.flatnonzero(kinds == KIND_CODE[Kind.PREFETCH]).tolist()}
     placed = list(jit.prefetch_before)
     floor_index: dict[int, int] = {}  # per backward graph: prefetches stay in FIFO order
     groups: dict[int, tuple[list[int], list[int]]] = {}  # graph -> (group starts, ops), ascending
