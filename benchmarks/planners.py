@@ -198,10 +198,14 @@ def exact_settings(activations: int) -> dict:
     LP of ``planners/fixed.py`` at every node up to :data:`EXACT_LP_UP_TO` activations (at the
     floors only the LP lifts the bound: test:cnn_bn's PCIe5 floor is proved in 23,605 units of
     work with it, and stays at the root's bound after 32,258 without); with the LP, the families
-    of inequalities its model has (``lp.Families``), after probing. Its evaluator shares recompute
-    chains in part wherever the shared schedule is over the limit (``share_in_part``)."""
+    of inequalities its model has (``lp.Families``), after probing. Up to :data:`EXACT_IN_GAP_UP_TO`
+    activations its evaluator shares recompute chains in part wherever the shared schedule is over
+    the limit (``SearchOptions.exact_shares_in_part``; larger graphs, far from searched whole,
+    spend the budget on more plans instead)."""
     lp_bounds = activations <= EXACT_LP_UP_TO
-    out = {"work": EXACT_WORK, "lp_bounds": lp_bounds, "share_in_part": "always"}
+    out = {"work": EXACT_WORK, "lp_bounds": lp_bounds}
+    if activations <= EXACT_IN_GAP_UP_TO:
+        out["share_in_part"] = "always"
     if lp_bounds:
         out["families"] = families_on()
         out["probing"] = True
@@ -219,7 +223,8 @@ def exact_columns(base, limit: int) -> dict:
     ic = base.in_core_time
     settings = exact_settings(len(base.graph.activations))
     t0 = time.process_time()
-    res = exact_search(problem_of(base, limit), SearchOptions(lp_bounds=settings["lp_bounds"]),
+    options = SearchOptions(lp_bounds=settings["lp_bounds"], exact_shares_in_part="share_in_part" in settings)
+    res = exact_search(problem_of(base, limit), options,
                        work=max(1, settings["work"] // len(base.graph.ops)))
     best = None if res.best is None else res.best.step_time / ic
     return {"exact_best": best, "exact_bound": None if res.bound == math.inf else res.bound / ic,

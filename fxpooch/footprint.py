@@ -133,7 +133,7 @@ def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool 
             return np.concatenate([s[field] for s in summaries])
 
         def shifted(field: int) -> np.ndarray:
-            return np.concatenate([start + s[field] for start, s in zip(starts, summaries)])
+            return column(field) + np.repeat(starts, [len(s[field]) for s in summaries])
         np.minimum.at(first, view[column(_Chain.ALLOC_BUF)], shifted(_Chain.ALLOC_AT))
         np.maximum.at(last, view[column(_Chain.READ_BUF)], shifted(_Chain.READ_AT))
         own_bytes = column(_Chain.OWN_BYTES)

@@ -63,6 +63,13 @@ class SearchOptions:
     #: simulations; up to 16 it usually proves the optimum within a minute, but a limit at the
     #: floor with a fast link (many plans within a few percent) can take minutes from 13 on
     max_exact: int = 20
+    #: the exact search's evaluator shares recompute chains in part wherever the shared schedule
+    #: is over the limit, not only where the unshared one fits (``Evaluator.share_in_part_always``),
+    #: so plans the MILP's bound counts are among those it finds: test:resnet_small's PCIe5 floor
+    #: (29 activations) 1.900x in-core -> 1.894x, the bound. On a graph it cannot search whole the
+    #: trials take budget from the search: GPT-2 at 2 layers (49 activations) over PCIe3 at its
+    #: floor, its best plan 1.480x -> 1.634x with the same work
+    exact_shares_in_part: bool = True
     #: the exact search also prunes with the LP of ``lp.py`` with the decided activations fixed,
     #: after probing (``fixed.py``; where scipy is installed; probing's LPs, once, are not counted
     #: as work): one solve per child not cut by the cheaper bounds.
@@ -249,10 +256,9 @@ def exact_search(problem: Problem, options: SearchOptions = SearchOptions(), wor
     fast as the bounds allow. Deterministic, and its time bounded by ``work``: the budget counts
     simulations, bounds and solves, not seconds. Where it runs out the result is not an optimum
     (``proved`` is False) but ``bound`` is still a lower bound on every fitting plan's step time,
-    so ``best`` is within ``gap`` of the optimum. Its evaluator shares recompute chains in part
-    wherever the shared schedule is over the limit (``Evaluator.share_in_part_always``), so a plan
-    the MILP's bound counts (over every sharing) is one it can find."""
-    ev = Evaluator(problem, share_in_part_always=True)
+    so ``best`` is within ``gap`` of the optimum. ``options.exact_shares_in_part``: its evaluator
+    shares recompute chains in part wherever the shared schedule is over the limit."""
+    ev = Evaluator(problem, share_in_part_always=options.exact_shares_in_part)
     local_budget = simulation_budget(problem.graph, options.work, options.max_simulations)
     try:
         seed = local_search(ev, seeds(ev, "exact"), local_budget)
