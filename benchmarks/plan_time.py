@@ -25,11 +25,9 @@ import torch
 
 import fxpooch
 from fxpooch.errors import InfeasibleMemoryLimit
-from fxpooch.pipeline import problem_of
-from fxpooch.planners import Evaluator
 
 sys.path.insert(0, os.path.dirname(__file__))
-from planners_sweep import DEFAULT, models  # noqa: E402
+from planners_sweep import DEFAULT, bases, limit_at  # noqa: E402
 
 SWEEP = os.path.join(os.path.dirname(__file__), "results", "planners_sweep.json")
 #: iterations of :func:`loop_seconds`' loop: about 1 to 2 s of CPU on a 2020s server core
@@ -64,33 +62,27 @@ def main(argv=None) -> int:
     points = [float(p) for p in args.points.split(",")]
     out = {"machine": machine(), "rows": []}
     print(f"machine: {out['machine']}", flush=True)
-    for name, build in models(quick=False):
-        if name not in wanted:
-            continue
-        model, x = build()
-        for hw in presets:
-            base = fxpooch.plan(model, x, "1TiB", planner="in-core", hardware=hw)
-            floor = Evaluator(problem_of(base, base.in_core_peak_bytes)).floor().timeline.static_peak_bytes
-            for point in points:
-                limit = int(floor + point * (base.in_core_peak_bytes - floor))  # as the sweep's rows
-                t0 = time.process_time()
-                try:
-                    step = fxpooch.replan(base, planner=DEFAULT, mem_limit=limit).step_time / base.in_core_time
-                except InfeasibleMemoryLimit:
-                    step = None
-                row = {"model": name, "hardware": hw, "point": point, "ops": len(base.graph.ops),
-                       "limit": limit, DEFAULT: step, f"{DEFAULT}_s": time.process_time() - t0}
-                old = saved.get((name, hw, point))
-                if old is not None:
-                    row.update(saved_ops=old["ops"], saved_limit=old["limit"], saved=old[DEFAULT],
-                               saved_s=old[f"{DEFAULT}_s"])
-                    same_row = (old["ops"], old["limit"]) == (row["ops"], limit)
-                    row["same_plan"] = old[DEFAULT] == step if same_row else None  # None: another graph
-                out["rows"].append(row)
-                print(json.dumps(row), flush=True)
-                if args.out:
-                    with open(args.out, "w") as f:
-                        json.dump(out, f, indent=1)
+    for name, hw, base, floor in bases(quick=False, only=set(wanted), presets=tuple(presets)):
+        for point in points:
+            limit = limit_at(base, floor, point)
+            t0 = time.process_time()
+            try:
+                step = fxpooch.replan(base, planner=DEFAULT, mem_limit=limit).step_time / base.in_core_time
+            except InfeasibleMemoryLimit:
+                step = None
+            row = {"model": name, "hardware": hw, "point": point, "ops": len(base.graph.ops),
+                   "limit": limit, DEFAULT: step, f"{DEFAULT}_s": time.process_time() - t0}
+            old = saved.get((name, hw, point))
+            if old is not None:
+                row.update(saved_ops=old["ops"], saved_limit=old["limit"], saved=old[DEFAULT],
+                           saved_s=old[f"{DEFAULT}_s"])
+                same_row = (old["ops"], old["limit"]) == (row["ops"], limit)
+                row["same_plan"] = old[DEFAULT] == step if same_row else None  # None: another graph
+            out["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(out, f, indent=1)
     return 0
 
 

@@ -209,9 +209,9 @@ def refresh(out: str, only: set[str], columns) -> list[dict]:
     return rows
 
 
-def run(quick: bool, only: set[str] | None = None) -> list[dict]:
-    rows = []
-    presets = ("v100-pcie3", "h100-pcie5") if quick else PRESETS
+def bases(quick: bool, only: set[str] | None, presets: tuple[str, ...]):
+    """(model, preset, its in-core plan, its floor) for each model of ``only`` (None: all) on each
+    preset, said on stderr as each is captured."""
     for name, build in models(quick):
         if only is not None and name not in only:
             continue
@@ -224,13 +224,26 @@ def run(quick: bool, only: set[str] | None = None) -> list[dict]:
             print(f"{name} on {hw}: {len(graph.ops)} ops, {len(graph.activations)} activations, floor "
                   f"{floor / base.in_core_peak_bytes:.2f} of in-core (captured in {time.process_time() - t0:.1f} CPU s)",
                   file=sys.stderr, flush=True)
-            for point in POINTS:
-                limit = int(floor + point * (base.in_core_peak_bytes - floor))
-                row = {"model": name, "hardware": hw, "point": point, "limit": limit,
-                       "fraction": limit / base.in_core_peak_bytes, "ops": len(graph.ops),
-                       "activations": len(graph.activations)}
-                row.update(plan_row(base, limit))
-                rows.append(row)
+            yield name, hw, base, floor
+
+
+def limit_at(base: Plan, floor: int, point: float) -> int:
+    """The limit ``point`` of the way from ``floor`` to ``base``'s in-core peak (a row's)."""
+    return int(floor + point * (base.in_core_peak_bytes - floor))
+
+
+def run(quick: bool, only: set[str] | None = None) -> list[dict]:
+    rows = []
+    presets = ("v100-pcie3", "h100-pcie5") if quick else PRESETS
+    for name, hw, base, floor in bases(quick, only, presets):
+        graph = base.graph
+        for point in POINTS:
+            limit = limit_at(base, floor, point)
+            row = {"model": name, "hardware": hw, "point": point, "limit": limit,
+                   "fraction": limit / base.in_core_peak_bytes, "ops": len(graph.ops),
+                   "activations": len(graph.activations)}
+            row.update(plan_row(base, limit))
+            rows.append(row)
     return rows
 
 
