@@ -237,8 +237,9 @@ def exact_columns(base, limit: int) -> dict:
 
 def gaps(row: dict, planners) -> None:
     """Each planner's gap to the optimum and to the best bound; a plan (a planner's or the exact
-    search's) that meets the bound is optimal. Where the optimum is open, ``_gap_low`` / ``_gap_high``: the gap to the fastest plan
-    known (any planner's or the exact search's) and to the best bound (the optimum lies between)."""
+    search's) that meets the bound is optimal. Where the optimum is open, ``_gap_low`` /
+    ``_gap_high``: the gap to the fastest plan known (any planner's or the exact search's) and to
+    the best bound (the optimum lies between)."""
     found = [row[p] for p in planners if row[p] is not None]
     proved = [row[k] for k in ("cut", "lp", "milp", "exact_bound") if row.get(k) is not None]
     row["bound"] = max(proved) if proved else None

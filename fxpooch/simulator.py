@@ -160,11 +160,7 @@ def _frees(graph: StepGraph, schedule: Schedule) -> tuple[list[int], list[int], 
     activation's (its copy may still run), or one no instruction reads (its last reader is its
     allocator, a prefetch perhaps, which ends on its own stream)."""
     n = len(schedule.instrs)
-    nbytes = np.asarray(schedule.instance_bytes, dtype=np.int64)
-    alloc = np.asarray(schedule.first_alloc, dtype=np.int64)
-    last = np.asarray(schedule.last_reader, dtype=np.int64)
-    live = (alloc >= 0) & (nbytes > 0)
-    freed = live & ~np.asarray(schedule.persistent, dtype=bool)
+    nbytes, alloc, last, live, freed = _instances(schedule)
     later = alloc == last
     offloaded = [graph.activations[a].buffer for a, d in enumerate(schedule.decisions) if d is Decision.SWAP]
     later[offloaded] = True
@@ -174,9 +170,21 @@ def _frees(graph: StepGraph, schedule: Schedule) -> tuple[list[int], list[int], 
     new_bytes = np.bincount(alloc[live], nbytes[live], minlength=n).astype(np.int64).tolist()
     freed_at = np.bincount(last[now], nbytes[now], minlength=n).astype(np.int64).tolist()
     frees_after: dict[int, list[int]] = {}
-    for x in np.flatnonzero(later).tolist():
-        frees_after.setdefault(int(last[x]), []).append(x)
-    return new_bytes[:n], freed_at[:n], frees_after
+    xs = np.flatnonzero(later)
+    for x, r in zip(xs.tolist(), last[xs].tolist()):
+        frees_after.setdefault(r, []).append(x)
+    return new_bytes, freed_at, frees_after
+
+
+def _instances(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per instance of ``schedule``: its bytes, the instruction allocating it (-1: none) and the one
+    reading it last, whether it is allocated on the device, and whether it is freed (allocated,
+    not persistent)."""
+    nbytes = np.asarray(schedule.instance_bytes, dtype=np.int64)
+    alloc = np.asarray(schedule.first_alloc, dtype=np.int64)
+    last = np.asarray(schedule.last_reader, dtype=np.int64)
+    live = (alloc >= 0) & (nbytes > 0)
+    return nbytes, alloc, last, live, live & ~np.asarray(schedule.persistent, dtype=bool)
 
 
 def release_points(graph: StepGraph, schedule: Schedule, timeline: Timeline) -> dict[ActivationId, OpId]:
@@ -216,13 +224,9 @@ def static_memory(schedule: Schedule) -> np.ndarray:
     """Device bytes live during each instruction (resident excluded, an op's scratch included),
     copies instantaneous."""
     n = len(schedule.instrs)
-    nbytes = np.asarray(schedule.instance_bytes, dtype=np.int64)
-    alloc = np.asarray(schedule.first_alloc, dtype=np.int64)
-    frees = np.asarray(schedule.last_reader, dtype=np.int64) + 1
-    live = (alloc >= 0) & (nbytes > 0)
-    freed = live & ~np.asarray(schedule.persistent, dtype=bool)
+    nbytes, alloc, last, live, freed = _instances(schedule)
     delta = np.bincount(alloc[live], nbytes[live], minlength=n + 1) - np.bincount(
-        frees[freed], nbytes[freed], minlength=n + 1)
+        last[freed] + 1, nbytes[freed], minlength=n + 1)
     mem = np.cumsum(delta[:n]).astype(np.int64)
     if schedule.instr_scratch:  # an op's scratch is live during its own instruction only
         mem += np.asarray(schedule.instr_scratch, dtype=np.int64)

@@ -120,6 +120,11 @@ def test_milp_below_every_planner(name, hardware, fraction):
     assert fitted
 
 
+#: the MILP's point at test:resnet_small's PCIe5 floor (keep / swap / recompute per activation)
+RESNET_SMALL_PCIE5_FLOOR = tuple({"k": Decision.KEEP, "s": Decision.SWAP, "r": Decision.RECOMPUTE}[c]
+                                 for c in "rsrrrkksrkksskksrkksskkkrkkkk")
+
+
 def test_the_milps_optimum_at_resnet_small_floor_is_a_plan_sharing_in_part():
     """test:resnet_small at its PCIe5 floor: with each candidate set's last op at each level of
     its excess a cut, compute waiting for a prefetch only before what reads it, and HiGHS stopped
@@ -136,14 +141,10 @@ def test_the_milps_optimum_at_resnet_small_floor_is_a_plan_sharing_in_part():
     ev = Evaluator(prob)
     assert not ev.evaluate(RESNET_SMALL_PCIE5_FLOOR, share=True).fits
     assert not ev.evaluate(RESNET_SMALL_PCIE5_FLOOR, share=False).fits
-    apart = ev.evaluate_recomputes(RESNET_SMALL_PCIE5_FLOOR, plan_recomputes(prob.graph, RESNET_SMALL_PCIE5_FLOOR, True, [3]))
+    apart = ev.evaluate_recomputes(RESNET_SMALL_PCIE5_FLOOR,
+                                   plan_recomputes(prob.graph, RESNET_SMALL_PCIE5_FLOOR, True, [3]))
     assert apart.fits and apart.schedule.apart == {3, 4}
     assert apart.step_time == pytest.approx(bound.bound, rel=MIP_REL_GAP)
-
-
-#: the MILP's point at test:resnet_small's PCIe5 floor (keep / swap / recompute per activation)
-RESNET_SMALL_PCIE5_FLOOR = tuple({"k": Decision.KEEP, "s": Decision.SWAP, "r": Decision.RECOMPUTE}[c]
-                                 for c in "rsrrrkksrkksskksrkksskkkrkkkk")
 
 
 def test_the_exact_searchs_evaluator_shares_in_part_where_neither_schedule_fits():

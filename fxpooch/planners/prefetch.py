@@ -26,8 +26,9 @@ def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
     instrs, kinds = jit.instrs, jit.kinds
     # op -> first instruction of its group (what runs just for it): the one after the last run
     # or offload before its run (an offload follows its producer's run, in no later op's group)
-    runs = np.flatnonzero(kinds == KIND_CODE[Kind.RUN])
-    closes = np.flatnonzero((kinds == KIND_CODE[Kind.RUN]) | (kinds == KIND_CODE[Kind.OFFLOAD]))
+    is_run = kinds == KIND_CODE[Kind.RUN]
+    runs = np.flatnonzero(is_run)
+    closes = np.flatnonzero(is_run | (kinds == KIND_CODE[Kind.OFFLOAD]))
     after_close = np.concatenate(([0], closes[:-1] + 1)) if len(closes) else closes
     starts_of_runs = after_close[np.searchsorted(closes, runs)]
     group_start = dict(zip([instrs[i][1] for i in runs.tolist()], starts_of_runs.tolist()))
