@@ -68,6 +68,7 @@ def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool 
         recomputes = plan_recomputes(graph, decisions, share)
     first_use, chains, materialises, _, _ = recomputes
     n_acts, nb = len(decisions), t.n_buffers
+    SWAP, RECOMPUTE = Decision.SWAP, Decision.RECOMPUTE
     code = np.fromiter((_CODE[d] for d in decisions), dtype=np.int8, count=n_acts)
     swapped = np.flatnonzero(code == 1)
     # forward: each op's RUN, then the offloads of the activations whose last member it is
@@ -76,13 +77,13 @@ def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool 
     forward = t.n_forward + len(swapped)
     # backward: each op's prefetches, recompute chains (each after the waits for the prefetches
     # it reads) and the other waits, then its RUN
-    prefetched = [a for a in first_use if code[a] == 1]
+    prefetched = [a for a in first_use if decisions[a] is SWAP]
     pf_pos = t.bwd_pos[[first_use[a] for a in prefetched]] if prefetched else np.zeros(0, np.int64)
-    extra = 2 * np.bincount(pf_pos, minlength=t.n_backward)
     emitted = [b for b in chains if b in first_use]  # in the order build_schedule emits them
-    chain_pos = [int(t.bwd_pos[first_use[b]]) for b in emitted]
-    for b, p in zip(emitted, chain_pos):
-        extra[p] += len(chains[b])
+    chain_pos = t.bwd_pos[[first_use[b] for b in emitted]].tolist() if emitted else []
+    extra = 2 * np.bincount(pf_pos, minlength=t.n_backward)
+    if emitted:
+        extra += np.bincount(chain_pos, [len(chains[b]) for b in emitted], minlength=t.n_backward).astype(np.int64)
     run_b = forward + np.arange(t.n_backward) + np.cumsum(extra)
     group = run_b - extra
     n = int(forward + t.n_backward + extra.sum())
@@ -111,33 +112,34 @@ def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool 
     scratch = np.zeros(n, dtype=np.int64)
     if t.op_scratch is not None:
         scratch[run_idx] = t.op_scratch
-    at = group + np.bincount(pf_pos, minlength=t.n_backward)  # where each op's chains start
+    at = (group + np.bincount(pf_pos, minlength=t.n_backward)).tolist()  # where each op's chains start
     waits: dict[int, list[int]] = {}  # op position -> the buffers its group's waits are still for
     if emitted:
+        act_buffer = t.act_buffer_list
         for a, p in zip(prefetched, pf_pos.tolist()):
-            waits.setdefault(p, []).append(int(t.act_buffer[a]))
+            waits.setdefault(p, []).append(act_buffer[a])
     starts, summaries = [], []
     for b, p in zip(emitted, chain_pos):
         s = _summary(t, graph, b, chains[b], materialises[b])
         if waits.get(p):  # the waits for the prefetches the chain reads come just before it
-            before = [buf for buf in waits[p] if (s.read_buf == buf).any()]
+            before = [buf for buf in waits[p] if buf in s.reads]
             at[p] += len(before)
             waits[p] = [buf for buf in waits[p] if buf not in before]
-        starts.append(int(at[p]))
+        starts.append(at[p])
         at[p] += s.length
         summaries.append(s)
         if s.scratch is not None:
             scratch[starts[-1]:starts[-1] + s.length] += s.scratch
-    if summaries:  # each column of every chain at once, shifted to where the chain starts
-        def column(field: int) -> np.ndarray:
-            return np.concatenate([s[field] for s in summaries])
-
-        def shifted(field: int) -> np.ndarray:
-            return column(field) + np.repeat(starts, [len(s[field]) for s in summaries])
-        np.minimum.at(first, view[column(_Chain.ALLOC_BUF)], shifted(_Chain.ALLOC_AT))
-        np.maximum.at(last, view[column(_Chain.READ_BUF)], shifted(_Chain.READ_AT))
-        own_bytes = column(_Chain.OWN_BYTES)
-        own = (shifted(_Chain.OWN_FIRST), shifted(_Chain.OWN_LAST) + 1, own_bytes)
+    if summaries:  # each table of every chain at once, its instructions shifted to where the chain starts
+        def rows(field: int) -> tuple[np.ndarray, np.ndarray]:
+            table = np.concatenate([s[field] for s in summaries])
+            return table, np.repeat(starts, [len(s[field]) for s in summaries])
+        alloc, shift = rows(_Chain.ALLOC)
+        np.minimum.at(first, view[alloc[:, 1]], alloc[:, 0] + shift)
+        read_rows, shift = rows(_Chain.READ)
+        np.maximum.at(last, view[read_rows[:, 1]], read_rows[:, 0] + shift)
+        own_rows, shift = rows(_Chain.OWN)
+        own = (own_rows[:, 0] + shift, own_rows[:, 1] + shift + 1, own_rows[:, 2])
     else:
         own = None
     allocated = first < n
@@ -156,7 +158,7 @@ def program_memory(graph: StepGraph, decisions: Sequence[Decision], share: bool 
     if own is not None:  # the chains' own buffers
         delta += np.bincount(own[0], own[2], minlength=n + 1) - np.bincount(own[1], own[2], minlength=n + 1)
     memory = np.cumsum(delta[:n]).astype(np.int64) + scratch
-    read = np.asarray([a for a in first_use if code[a] == 2], dtype=np.int64)
+    read = np.asarray([a for a in first_use if decisions[a] is RECOMPUTE], dtype=np.int64)
     copy = nb + n_acts + read
     need_from = group[t.bwd_pos[[first_use[a] for a in read]]] if len(read) else read
     need_to = run_idx[t.bwd_last[t.act_buffer[read]]]
@@ -192,6 +194,7 @@ class _Tables:
     buffer_bytes: np.ndarray
     transfer_bytes: np.ndarray  # per activation: its swapped-in copy's bytes
     act_buffer: np.ndarray  # per activation: its buffer
+    act_buffer_list: list[int]  # the same, a list
     offload_pos: np.ndarray  # per activation: the program position of its last member
     persistent: np.ndarray  # per buffer: lives until the step ends
     allocated: np.ndarray  # buffers an op's RUN allocates
@@ -239,6 +242,7 @@ class _Tables:
             buffer_bytes=np.asarray([b.nbytes for b in graph.buffers], dtype=np.int64),
             transfer_bytes=np.asarray([act.transfer_bytes for act in acts], dtype=np.int64),
             act_buffer=np.asarray([act.buffer for act in acts], dtype=np.int64),
+            act_buffer_list=[act.buffer for act in acts],
             offload_pos=np.asarray([pos[max(act.members)] for act in acts], dtype=np.int64),
             persistent=np.asarray([b.kind is BufferKind.OUTPUT for b in graph.buffers], dtype=bool),
             allocated=np.flatnonzero(alloc_pos >= 0), alloc_pos=alloc_pos,
@@ -256,16 +260,13 @@ class _Chain(NamedTuple):
     own buffers' lives."""
 
     length: int
-    alloc_at: np.ndarray
-    alloc_buf: np.ndarray
-    read_at: np.ndarray
-    read_buf: np.ndarray
-    own_first: np.ndarray
-    own_last: np.ndarray
-    own_bytes: np.ndarray
+    alloc: np.ndarray  # rows (instruction, kept buffer): where the chain allocates a kept copy
+    read: np.ndarray  # rows (instruction, buffer): a buffer read through the view, its last reader
+    own: np.ndarray  # rows (first instruction, last instruction, bytes): the chain's own buffers
     scratch: np.ndarray | None
+    reads: frozenset[int]  # the buffers of ``read``
 
-    ALLOC_AT, ALLOC_BUF, READ_AT, READ_BUF, OWN_FIRST, OWN_LAST, OWN_BYTES = range(1, 8)
+    ALLOC, READ, OWN = range(1, 4)
 
 
 def _summary(t: _Tables, graph: StepGraph, b: int, chain: tuple[int, ...], materialises: tuple[int, ...]) -> _Chain:
@@ -297,9 +298,9 @@ def _summary(t: _Tables, graph: StepGraph, b: int, chain: tuple[int, ...], mater
                 read[buf] = i
     scratch = (np.asarray([graph.op_scratch[o] for o in chain], dtype=np.int64)
                if graph.op_scratch else None)
-    found = _Chain(len(chain), np.asarray(list(alloc.values()), dtype=np.int64), np.asarray(list(alloc), dtype=np.int64),
-                   np.asarray(list(read.values()), dtype=np.int64), np.asarray(list(read), dtype=np.int64),
-                   np.asarray(own_first, dtype=np.int64), np.asarray(own_last, dtype=np.int64),
-                   np.asarray(own_bytes, dtype=np.int64), scratch)
+    def table(*columns: list[int]) -> np.ndarray:
+        return np.asarray(columns, dtype=np.int64).reshape(len(columns), -1).T.copy()
+    found = _Chain(len(chain), table(list(alloc.values()), list(alloc)), table(list(read.values()), list(read)),
+                   table(own_first, own_last, own_bytes), scratch, frozenset(read))
     t.chains[key] = found
     return found

@@ -40,6 +40,7 @@ class Instr(NamedTuple):
 #: :attr:`Schedule.kinds`' code of each kind
 KIND_CODE = {kind: code for code, kind in enumerate(Kind)}
 _kind_of = operator.itemgetter(0)
+_op_of = operator.itemgetter(1)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,11 @@ class Schedule:
     def kinds(self) -> np.ndarray:
         """Per instruction: its kind's index in :class:`Kind` (``KIND_CODE``), for vector work."""
         return np.fromiter(map(KIND_CODE.__getitem__, map(_kind_of, self.instrs)), dtype=np.int8, count=len(self.instrs))
+
+    @functools.cached_property
+    def ops(self) -> np.ndarray:
+        """Per instruction: its op (-1 for a copy or a wait), for vector work."""
+        return np.fromiter(map(_op_of, self.instrs), dtype=np.int64, count=len(self.instrs))
 
     @functools.cached_property
     def instr_scratch(self) -> tuple[int, ...]:
@@ -311,7 +317,9 @@ def _moved_order(schedule: Schedule, at: dict[int, list[int]]) -> tuple[np.ndarr
     last_close = np.maximum.accumulate(np.where(closes, positions, -1)) if n else positions
     next_kept = np.minimum.accumulate(np.where(is_prefetch, n, positions)[::-1])[::-1]
     prefetch_of = {instrs[i][2]: i for i in np.flatnonzero(is_prefetch).tolist()}
-    run_of = {instrs[i][1]: i for i in np.flatnonzero(is_run).tolist() if instrs[i][1] in at}
+    runs = np.flatnonzero(is_run)
+    runs = runs[np.isin(schedule.ops[runs], list(at))]
+    run_of = dict(zip(schedule.ops[runs].tolist(), runs.tolist()))
     kept = np.flatnonzero(~is_prefetch)
     moved, primary, secondary = [], [], []
     for op, acts in at.items():

@@ -113,59 +113,68 @@ def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool
     materialises: dict[int, tuple[int, ...]] = {}
     shared = False
     rebuilt: set[int] = set()
-    memo = per_graph(graph, _chain_memo)
+    walks = per_graph(graph, _chain_walks)
+    RECOMPUTE = Decision.RECOMPUTE
+    recompute = [d is RECOMPUTE for d in decisions]
+    pending = recompute.copy()  # recomputed and not rebuilt yet: where a shared chain runs on
 
-    def remembered(b: int, pending: Callable[[int], bool]) -> set[int]:
-        """``chain_ops(graph, b, pending, owner)``, from ``memo`` when every activation that walk asked
-        ``pending`` about answers as it did then (the walk is the same), asking each again (``pending``
-        notes what it sees)."""
-        for asked, ops_of in memo.get(b, ()):
-            if all(pending(c) is answer for c, answer in asked):
-                return set(ops_of)
-        asked: list[tuple[int, bool]] = []
+    def walk(b: int, runs_on: list[bool]) -> _Walk:
+        """``chain_ops(graph, b, runs_on.__getitem__, owner)``: the leaf of ``walks[b]`` that
+        ``runs_on``'s answers lead to, walked (and added) where none does yet. A chain that stops at
+        an activation rebuilt already is shared."""
+        nonlocal shared
+        node = walks.get(b)
+        while type(node) is list:  # the next activation the walk asks about: [it, if on, if not]
+            c = node[0]
+            if runs_on[c]:
+                node = node[1]
+            else:
+                shared = shared or c in rebuilt
+                node = node[2]
+        if node is not None:
+            return node
+        asked: dict[int, bool] = {}
 
         def asking(c: int) -> bool:
-            answer = pending(c)
-            asked.append((c, answer))
+            nonlocal shared
+            answer = asked[c] = runs_on[c]
+            shared = shared or (not answer and c in rebuilt)
             return answer
-        chain = chain_ops(graph, b, asking, owner)
-        seen = memo.setdefault(b, [])
-        seen.insert(0, (tuple(dict.fromkeys(asked)), frozenset(chain)))
-        del seen[_CHAIN_MEMO_WALKS:]
-        return chain
+        ops = chain_ops(graph, b, asking, owner)
+        leaf = _Walk(frozenset(ops), tuple(sorted(ops)), frozenset(owner[x] for x in ops if x in owner))
+        _remember(walks, b, tuple(asked.items()), leaf)
+        return leaf
 
-    recomputed = sorted((a for a, d in enumerate(decisions) if d is Decision.RECOMPUTE),
+    recomputed = sorted((a for a, d in enumerate(decisions) if d is RECOMPUTE),
                         key=lambda a: (first_use.get(a, -1), a))
     for b in recomputed:
         if b in rebuilt:
             continue
         if not share or b not in first_use or b in apart:
-            chains[b] = tuple(sorted(remembered(b, lambda c: decisions[c] is Decision.RECOMPUTE)))
+            chains[b] = walk(b, recompute).ordered
             materialises[b] = (b,)
             continue
-
-        def pending(c: int) -> bool:
-            nonlocal shared
-            if c in rebuilt:
-                shared = True
-                return False
-            return decisions[c] is Decision.RECOMPUTE
-
-        chain = remembered(b, pending)
+        found = walk(b, pending)
+        chain, owners = found.ops, found.owners
         whole: set[int] = set()
         grown = True
         while grown:  # a pending activation whose storage the chain allocates is rebuilt whole
             grown = False
-            for c in {owner[x] for x in chain if x in owner} - whole - {b}:
-                if (c in first_use and c not in rebuilt and decisions[c] is Decision.RECOMPUTE
-                        and c not in apart and acts[c].producer in chain):
+            for c in owners - whole - {b}:
+                if (c in first_use and pending[c] and c not in apart and acts[c].producer in chain):
+                    if not whole:  # the walk's sets are shared: grow copies
+                        chain, owners = set(chain), set(owners)
                     whole.add(c)
-                    chain |= remembered(c, pending)
+                    more = walk(c, pending)
+                    chain |= more.ops
+                    owners |= more.owners
                     grown = True
         shared = shared or bool(whole)
-        chains[b] = tuple(sorted(chain))
+        chains[b] = tuple(sorted(chain)) if whole else found.ordered
         materialises[b] = (b, *sorted(whole))
         rebuilt.update(materialises[b])
+        for c in materialises[b]:
+            pending[c] = False
     read_by = per_graph(graph, _chain_reads)
     for b, chain in chains.items():
         if b not in first_use:
@@ -227,12 +236,56 @@ def per_graph(graph: StepGraph, make: Callable[[StepGraph], object]):
     return values[make]
 
 
-#: walks of one activation's recompute chain :func:`build_schedule` remembers per graph (the latest)
-_CHAIN_MEMO_WALKS = 4
+class _Walk(NamedTuple):
+    """A walk of an activation's recompute chain: its ops, in program order, and the activations
+    that own one of them."""
+
+    ops: frozenset[int]
+    ordered: tuple[int, ...]
+    owners: frozenset[int]
 
 
-def _chain_memo(graph: StepGraph) -> dict[int, list[tuple[tuple[tuple[int, bool], ...], frozenset[int]]]]:
-    """Per activation: the walks of its recompute chain (what ``pending`` answered, the ops found)."""
-    return {}
+class _Walks(dict):
+    """Per activation: the walks of its recompute chain met so far, as a tree of what they asked.
+
+    A walk is the same whenever the activations it asks about (does the chain run on through
+    this one?) answer alike, and the next one it asks depends only on the answers before: a node
+    ``[c, if it does, if not]`` is the next activation asked, a leaf a :class:`_Walk`. Following
+    the answers down the tree asks what a fresh walk would ask, without walking the ops."""
+
+    ops = 0  # ops held, over every leaf
+    restarts = 0  # times it was full and started again
 
 
+#: ops the walks of :class:`_Walks` hold per graph before it starts again (a leaf holds its chain's
+#: twice, about 60 bytes an op: 120 MB): GPT-2 at 48 layers walks 3.4M at its floor (5,900 walks),
+#: GPT-2 at 12 layers 0.18M
+MAX_WALK_OPS = 2_000_000
+
+
+def _chain_walks(graph: StepGraph) -> _Walks:
+    return _Walks()
+
+
+def _remember(walks: _Walks, b: int, asked: tuple[tuple[int, bool], ...], leaf: _Walk) -> None:
+    """Add the walk from ``b`` that asked ``asked`` (in order) to ``walks``."""
+    if walks.ops + len(leaf.ordered) > MAX_WALK_OPS:
+        walks.clear()
+        walks.ops = 0
+        walks.restarts += 1
+    walks.ops += len(leaf.ordered)
+    if not asked:
+        walks[b] = leaf
+        return
+    if b not in walks:
+        walks[b] = [asked[0][0], None, None]
+    node = walks[b]
+    for k, (c, answer) in enumerate(asked):
+        assert node[0] == c, "a chain walk asked out of order"
+        branch = 1 if answer else 2
+        if k + 1 == len(asked):
+            node[branch] = leaf
+        else:
+            if node[branch] is None:
+                node[branch] = [asked[k + 1][0], None, None]
+            node = node[branch]

@@ -507,13 +507,17 @@ def test_an_unshared_schedule_is_not_built_where_the_forward_is_over_the_limit(n
     assert high.forward_may_fit(shared)
 
 
-@pytest.mark.parametrize("name", ["transformer_block", "resnet_small"])
-def test_remembered_recompute_chains_build_the_schedules_a_fresh_graph_builds(name):
+@pytest.mark.parametrize("name,max_ops", [("transformer_block", None), ("resnet_small", None), ("resnet_small", 100)])
+def test_remembered_recompute_chains_build_the_schedules_a_fresh_graph_builds(name, max_ops, monkeypatch):
     """``build_schedule`` remembers each activation's chain walks per graph and reuses one where every
     activation the walk asked about answers alike: over a run of random decisions, shared and not,
-    each schedule equals the one built on a copy of the graph that remembers nothing yet."""
+    each schedule equals the one built on a copy of the graph that remembers nothing yet. With
+    room for 100 ops only, the memory starts again whenever it is full, and nothing changes."""
     import random
+    from fxpooch import segments
     from test_search import problem
+    if max_ops is not None:
+        monkeypatch.setattr(segments, "MAX_WALK_OPS", max_ops)
     graph = problem(name, 0.5).graph
     alone = Evaluator(problem(name, 0.5)).recomputable_alone
     rng = random.Random(0)
@@ -523,3 +527,6 @@ def test_remembered_recompute_chains_build_the_schedules_a_fresh_graph_builds(na
         share = i % 3 != 0
         fresh = dataclasses.replace(graph)  # another object: its own (empty) memory of walks
         assert build_schedule(graph, decisions, share=share) == build_schedule(fresh, decisions, share=share)
+    walks = segments.per_graph(graph, segments._chain_walks)
+    assert 0 < walks.ops <= (max_ops or segments.MAX_WALK_OPS)
+    assert (walks.restarts > 0) == (max_ops is not None)

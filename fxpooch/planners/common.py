@@ -260,7 +260,7 @@ class Evaluator:
         if not self.fits_program(footprint.memory):
             self.rejected += jit is None
             return Unjudged(decisions, footprint, layout, lambda schedule: self._judged_late(schedule, early, jit is None))
-        return self._judged(layout(), early)
+        return self._judged(layout(), early, footprint.memory)
 
     def _partly_shared(self, shared: Candidate, early: bool) -> Candidate | None:
         """The plan of ``shared``'s decisions with recompute segments shared in part
@@ -287,14 +287,15 @@ class Evaluator:
         self.rejected -= rejected
         return self._judged(jit, early)
 
-    def _judged(self, jit: Schedule, early: bool) -> Candidate:
+    def _judged(self, jit: Schedule, early: bool, memory: np.ndarray | None = None) -> Candidate:
         """The simulated candidate of ``jit``'s decisions: with ``early``, prefetches placed as
-        early as memory allows where that fits, else just in time where that fits."""
+        early as memory allows where that fits, else just in time where that fits. ``memory``:
+        ``static_memory(jit)`` where the caller has it."""
         if early and any(d is Decision.SWAP for d in jit.decisions):
-            positions = place_prefetches(self.graph, jit, self.budget)
+            positions = place_prefetches(self.graph, jit, self.budget, memory)
             if positions != list(jit.prefetch_before):
                 early_c = self._judge(move_prefetches(jit, positions))
-                if early_c.fits or not self.may_fit(jit):
+                if early_c.fits or not (self.may_fit(jit) if memory is None else self.fits_program(memory)):
                     return early_c
                 jit_c = self._judge(jit)
                 return jit_c if jit_c.fits else early_c

@@ -15,14 +15,14 @@ from ..schedule import KIND_CODE, Kind, Schedule
 from ..simulator import static_memory
 
 
-def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
+def place_prefetches(graph: StepGraph, jit: Schedule, budget: int, memory: np.ndarray | None = None) -> list[int]:
     """Section 4.3: issue each swap-in as early as memory allows (FIFO on the H2D stream).
 
     ``jit`` is the just-in-time schedule of the decisions; ``budget`` the device bytes available
-    beyond resident ones. Works on the program-order memory curve of ``jit``, raising it as each
-    prefetch moves earlier.
+    beyond resident ones. Works on the program-order memory curve of ``jit`` (``memory``, where
+    the caller has it: ``static_memory(jit)``), raising it as each prefetch moves earlier.
     """
-    mem = static_memory(jit)
+    mem = static_memory(jit) if memory is None else memory.copy()
     instrs, kinds = jit.instrs, jit.kinds
     # op -> first instruction of its group (what runs just for it): the one after the last run
     # or offload before its run (an offload follows its producer's run, in no later op's group)
@@ -31,18 +31,19 @@ def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
     closes = np.flatnonzero(is_run | (kinds == KIND_CODE[Kind.OFFLOAD]))
     after_close = np.concatenate(([0], closes[:-1] + 1)) if len(closes) else closes
     starts_of_runs = after_close[np.searchsorted(closes, runs)]
-    group_start = dict(zip([instrs[i][1] for i in runs.tolist()], starts_of_runs.tolist()))
+    run_ops = jit.ops[runs]
     # swapped activation -> its prefetch in ``jit``
     prefetch_index = {instrs[i][2]: i for i in np.flatnonzero(kinds == KIND_CODE[Kind.PREFETCH]).tolist()}
     placed = list(jit.prefetch_before)
     floor_index: dict[int, int] = {}  # per backward graph: prefetches stay in FIFO order
-    groups: dict[int, tuple[list[int], list[int]]] = {}  # graph -> (group starts, ops), ascending
+    # graph -> (group starts, ops) of its backward ops, ascending (the schedule runs them in order)
+    groups: dict[int, tuple[list[int], list[int]]] = {}
     for a in sorted(prefetch_index, key=prefetch_index.get):
         g = graph.activations[a].graph
-        start, stop = graph.backward_range[g]
         if g not in groups:
-            ops = [op for op in range(start, stop) if op in group_start]
-            groups[g] = ([group_start[op] for op in ops], ops)
+            start, stop = graph.backward_range[g]
+            here = (run_ops >= start) & (run_ops < stop)
+            groups[g] = (starts_of_runs[here].tolist(), run_ops[here].tolist())
         starts, ops = groups[g]
         jit_i = prefetch_index[a]
         nbytes = jit.instance_bytes[jit.instrs[jit_i].allocs[0]]
@@ -52,8 +53,11 @@ def place_prefetches(graph: StepGraph, jit: Schedule, budget: int) -> list[int]:
         best = jit_i - int(np.searchsorted(running, budget - nbytes, side="right"))
         # snap to the start of a backward op's group (not later than the just-in-time one)
         k = bisect.bisect_left(starts, best)
-        choice = ops[k] if k < len(ops) and ops[k] <= jit.prefetch_before[a] else jit.prefetch_before[a]
-        gi = group_start[choice]
+        late = jit.prefetch_before[a]
+        if k < len(ops) and ops[k] <= late:
+            choice, gi = ops[k], starts[k]
+        else:  # the just-in-time op's group
+            choice, gi = late, int(starts_of_runs[np.flatnonzero(run_ops == late)[0]])
         mem[gi:jit_i] += nbytes
         floor_index[g] = gi
         placed[a] = choice
