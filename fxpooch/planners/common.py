@@ -292,20 +292,17 @@ class Evaluator:
         early as memory allows where that fits, else just in time where that fits. ``memory``:
         ``static_memory(jit)`` where the caller has it."""
         if early and any(d is Decision.SWAP for d in jit.decisions):
+            memory = static_memory(jit) if memory is None else memory
             positions = place_prefetches(self.graph, jit, self.budget, memory)
             if positions != list(jit.prefetch_before):
                 early_c = self._judge(move_prefetches(jit, positions))
-                if early_c.fits or not (self.may_fit(jit) if memory is None else self.fits_program(memory)):
+                # over the limit in program order, ``jit`` cannot fit (the simulated peak is never
+                # below it: frees happen no earlier than in program order): not judged
+                if early_c.fits or not self.fits_program(memory):
                     return early_c
                 jit_c = self._judge(jit)
                 return jit_c if jit_c.fits else early_c
         return self._judge(jit)
-
-    def may_fit(self, schedule: Schedule) -> bool:
-        """False when ``schedule`` cannot fit: its program-order peak is over the limit already
-        (the simulated peak is never below it: frees happen no earlier than in program order),
-        so judging it is not needed."""
-        return self.fits_program(static_memory(schedule))
 
     def fits_program(self, memory: np.ndarray) -> bool:
         """Whether a program-order memory curve (``static_memory``) stays under the limit."""

@@ -12,17 +12,16 @@ import numpy as np
 
 from ..graph import StepGraph
 from ..schedule import KIND_CODE, Kind, Schedule
-from ..simulator import static_memory
 
 
-def place_prefetches(graph: StepGraph, jit: Schedule, budget: int, memory: np.ndarray | None = None) -> list[int]:
+def place_prefetches(graph: StepGraph, jit: Schedule, budget: int, memory: np.ndarray) -> list[int]:
     """Section 4.3: issue each swap-in as early as memory allows (FIFO on the H2D stream).
 
     ``jit`` is the just-in-time schedule of the decisions; ``budget`` the device bytes available
-    beyond resident ones. Works on the program-order memory curve of ``jit`` (``memory``, where
-    the caller has it: ``static_memory(jit)``), raising it as each prefetch moves earlier.
+    beyond resident ones; ``memory`` its program-order memory curve (``static_memory(jit)``, not
+    changed): a copy is raised as each prefetch moves earlier.
     """
-    mem = static_memory(jit) if memory is None else memory.copy()
+    mem = memory.copy()
     instrs, kinds = jit.instrs, jit.kinds
     # op -> first instruction of its group (what runs just for it): the one after the last run
     # or offload before its run (an offload follows its producer's run, in no later op's group)
