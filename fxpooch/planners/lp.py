@@ -18,8 +18,12 @@ producer runs again (instant ``τ``) the device holds the in-core memory before 
 activations absent at ``τ``, plus ``h``'s new storage and the buffers only the chain makes
 (``Bounds.rebuild``, at the op of its chain where they are most; ``h`` is among the evicted). So the
 evictions at ``τ`` are at least ``excess_u + min rebuild bytes`` whenever ``y_a = 1`` for an ``a``
-first read by ``u``, and ``x_a^r <= y_a + sum y_b`` over the ``b`` first read earlier whose chains
-(through every recomputable activation) reach ``a``'s producer: a recomputed ``a`` is rebuilt at
+first read by ``u``, none of them the swap of an activation ``u`` reads or ``a``'s shortest chain
+reads: its prefetch was issued by the group's start (at its first use or earlier) and it stays
+until its last reader (``Families.rebuild_swaps``; HF GPT-2's attention scores read the query
+and key, then the softmax, where the chain's bytes are most, reads neither). And ``x_a^r <= y_a +
+sum y_b`` over the ``b`` first read earlier whose chains (through every recomputable activation)
+reach ``a``'s producer: a recomputed ``a`` is rebuilt at
 its own first reader or inside the chain of such a ``b``, itself a head there. And at a backward
 cut before ``a``'s first reader, a recomputed candidate ``a`` is evicted (``r_ap >= x_a^r - sum
 v``) unless a chain not its own rebuilt it by then, which ran the chain of one of its readers
@@ -57,11 +61,12 @@ without scipy the cut bound is returned.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import math
 from dataclasses import dataclass, replace
 
-from ..segments import chain_ops
+from ..segments import chain_inputs, chain_ops
 from .bounds import Bounds
 from .common import Evaluator
 from .chains import chain_readers, chain_sharing, rebuilt_by
@@ -116,6 +121,7 @@ class Families:
     covers: bool = True  # the candidates every cover of a point's bytes needs, and how many it needs
     timing_cuts: bool = True  # with cut_ends: the first and last cut of each candidate set are points too
     rebuild_points: bool = True  # the points where a recompute runs (its first reader's group)
+    rebuild_swaps: bool = True  # at a rebuild point, the swaps its op or a head's shortest chain reads are back
 
     @classmethod
     def none(cls) -> Families:
@@ -138,7 +144,7 @@ FALLBACKS = (CORE, LARGE)
 #: where the swaps' bytes do not fit (HF GPT-2 at 2 layers at its PCIe3 floor: the attention's
 #: dropout output, whose chain reads the query and key, back on the device through the softmax's
 #: backward; the bound on the cuts alone 1.337x -> 1.418x in-core)
-PROBING = replace(Families.none(), chain_reads=True)
+PROBING = replace(Families.none(), chain_reads=True, rebuild_swaps=True)
 
 
 def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: int | None = None) -> Model:
@@ -205,6 +211,7 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
         model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf]
                  + [(z, -cost) for _, z, cost in reruns], 1.0)
 
+    chain_reads = functools.cache(lambda a: frozenset(chain_inputs(graph, a, ev.owner)))
     evicted_swap: dict[tuple[int, int], int] = {}  # (point, activation) -> s_ap
     evicted_recompute: dict[tuple[int, int], int] = {}  # (point, activation) -> r_ap
     deadlines = chain_deadlines(bounds, model, x, rec) if families.chain_deadlines else {}
@@ -214,7 +221,8 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
         s_vars, r_vars = [], []
         may = None if p.forward or p.group else rebuilt_by(readers, bounds.first_reader, x, p.op)
         for a in p.candidates:
-            if d2h[a] < math.inf:
+            # a swap first read by a rebuild point's op was prefetched by its group's start
+            if d2h[a] < math.inf and not (p.group and families.rebuild_swaps and bounds.first_reader[a] == p.op):
                 j = model.var(1.0, True)
                 model.ge([(x[("s", a)], 1.0), (j, -1.0)], 0.0)
                 s_vars.append((a, j))
@@ -230,17 +238,16 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
                 r_vars.append((a, j))
                 evicted_recompute[(i, a)] = j
         cover = [(j, float(bounds.nbytes[a])) for a, j in s_vars + r_vars]
-        if p.group and families.head_reads:
-            for a, nbytes, held in p.heads:  # a's own chain: its bytes, its inputs on the device
-                model.ge([*((j, float(bounds.nbytes[b])) for b, j in s_vars + r_vars if b not in held),
+        if p.group:
+            for a, nbytes, held in p.heads if families.head_reads else ((a, p.rebuild, ()) for a in p.rebuilt):
+                # where a chain rebuilds a in this group (y_a), the swaps a's shortest chain reads
+                # are on the device from the group's start; with head_reads, a's own chain holds
+                # ``nbytes`` with its ``held`` inputs (recomputed or not) on the device
+                evicted = [(b, j) for b, j in s_vars if not families.rebuild_swaps or b not in chain_reads(a)] + r_vars
+                model.ge([*((j, float(bounds.nbytes[b])) for b, j in evicted if b not in held),
                           (y[a], -float(p.excess + nbytes))], 0.0)
                 if families.covers:
-                    covers(model, bounds, s_vars + r_vars, p.excess + nbytes, y[a], set(held))
-        elif p.group:
-            for a in p.rebuilt:
-                model.ge([*cover, (y[a], -float(p.excess + p.rebuild))], 0.0)
-                if families.covers:
-                    covers(model, bounds, s_vars + r_vars, p.excess + p.rebuild, y[a])
+                    covers(model, bounds, evicted, p.excess + nbytes, y[a], set(held))
         else:
             model.ge(cover, p.excess)
             if families.covers:
