@@ -44,8 +44,16 @@ def loop_seconds(n: int = LOOP) -> float:
 
 
 def machine() -> dict:
-    return {"python": platform.python_version(), "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "loop_s": loop_seconds(), "loop_iterations": LOOP}
+    """The interpreter, torch, transformers (None: the sweep's GPT-2 rows are then fxpooch's own
+    decoder, another graph) and the machine, with its Python speed."""
+    try:
+        import transformers
+        hf = transformers.__version__
+    except ImportError:
+        hf = None
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": hf,
+            "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "loop_s": loop_seconds(),
+            "loop_iterations": LOOP}
 
 
 def main(argv=None) -> int:
@@ -62,6 +70,9 @@ def main(argv=None) -> int:
     points = [float(p) for p in args.points.split(",")]
     out = {"machine": machine(), "rows": []}
     print(f"machine: {out['machine']}", flush=True)
+    if out["machine"]["transformers"] is None:
+        print("transformers is not installed: GPT-2 is fxpooch's own decoder, not the sweep's graph "
+              "(pip install fxpooch[thirdparty])", file=sys.stderr, flush=True)
     for name, hw, base, floor in bases(quick=False, only=set(wanted), presets=tuple(presets)):
         for point in points:
             limit = limit_at(base, floor, point)

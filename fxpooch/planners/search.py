@@ -44,10 +44,10 @@ log = logging.getLogger("fxpooch.planner.search")
 class SearchOptions:
     #: work for the whole ``local`` planner, its seeds included, in op-simulations (a simulation
     #: of a step of n ops counts n; see ``PoochOptions.step_work``): deterministic, and a planning
-    #: time linear in the graph's size. On this project's 2-core machine GPT-2 at 12 layers (1,995
-    #: ops with torch 2.13.0+cpu) plans in 3.4 and 1.6 s and at 48 layers (7,863 ops) in 19.8 and
-    #: 16.7 s at its floor and half way to in-core over PCIe5 (``benchmarks/plan_time.py``, which
-    #: also times the machine's Python; its speed varies: benchmarks/PLANNERS.md, "Planning time"). A plan over
+    #: time linear in the graph's size. On this project's 2-core machine HF GPT-2 at 12 layers
+    #: (2,239 ops) plans in 4.7 and 2.7 s and at 48 layers (8,683 ops) in 21.2 and 26.2 s at its
+    #: floor and half way to in-core over PCIe5 (``benchmarks/plan_time.py``, which also times the
+    #: machine's Python; its speed varies: benchmarks/PLANNERS.md, "Planning time"). A plan over
     #: the limit in program order, or no faster by its step-time bound, counts
     #: an eighth (``common.REJECTIONS_PER_SIMULATION``).
     work: int = 500_000
