@@ -211,7 +211,7 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
         model.ge([(0, 1.0)] + [(x[("r", a)], -rec[a]) for a in range(n) if rec[a] < math.inf]
                  + [(z, -cost) for _, z, cost in reruns], 1.0)
 
-    chain_reads = functools.cache(lambda a: frozenset(chain_inputs(graph, a, ev.owner)))
+    inputs_of = functools.cache(lambda a: frozenset(chain_inputs(graph, a, ev.owner)))
     evicted_swap: dict[tuple[int, int], int] = {}  # (point, activation) -> s_ap
     evicted_recompute: dict[tuple[int, int], int] = {}  # (point, activation) -> r_ap
     deadlines = chain_deadlines(bounds, model, x, rec) if families.chain_deadlines else {}
@@ -243,7 +243,8 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
                 # where a chain rebuilds a in this group (y_a), the swaps a's shortest chain reads
                 # are on the device from the group's start; with head_reads, a's own chain holds
                 # ``nbytes`` with its ``held`` inputs (recomputed or not) on the device
-                evicted = [(b, j) for b, j in s_vars if not families.rebuild_swaps or b not in chain_reads(a)] + r_vars
+                back = inputs_of(a) if families.rebuild_swaps else frozenset()
+                evicted = [(b, j) for b, j in s_vars if b not in back] + r_vars
                 model.ge([*((j, float(bounds.nbytes[b])) for b, j in evicted if b not in held),
                           (y[a], -float(p.excess + nbytes))], 0.0)
                 if families.covers:
