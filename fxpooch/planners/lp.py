@@ -23,8 +23,8 @@ reads: its prefetch was issued by the group's start (at its first use or earlier
 until its last reader (``Families.rebuild_swaps``; HF GPT-2's attention scores read the query
 and key, then the softmax, where the chain's bytes are most, reads neither). And ``x_a^r <= y_a +
 sum y_b`` over the ``b`` first read earlier whose chains (through every recomputable activation)
-reach ``a``'s producer: a recomputed ``a`` is rebuilt at
-its own first reader or inside the chain of such a ``b``, itself a head there. And at a backward
+reach ``a``'s producer: a recomputed ``a`` is rebuilt at its own first reader or inside the chain
+of such a ``b``, itself a head there. And at a backward
 cut before ``a``'s first reader, a recomputed candidate ``a`` is evicted (``r_ap >= x_a^r - sum
 v``) unless a chain not its own rebuilt it by then, which ran the chain of one of its readers
 (``chains.rebuilt_by``: the ``v``): the cut's time then bounds the chains that rebuild it.
@@ -237,7 +237,6 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
                     model.ge([(j, 1.0), (x[("r", a)], -1.0), *((v, 1.0) for v in may(a))], 0.0)  # absent unless rebuilt
                 r_vars.append((a, j))
                 evicted_recompute[(i, a)] = j
-        cover = [(j, float(bounds.nbytes[a])) for a, j in s_vars + r_vars]
         if p.group:
             for a, nbytes, held in p.heads if families.head_reads else ((a, p.rebuild, ()) for a in p.rebuilt):
                 # where a chain rebuilds a in this group (y_a), the swaps a's shortest chain reads
@@ -250,7 +249,7 @@ def relaxation(bounds: Bounds, families: Families = Families(), max_nonzeros: in
                 if families.covers:
                     covers(model, bounds, evicted, p.excess + nbytes, y[a], set(held))
         else:
-            model.ge(cover, p.excess)
+            model.ge([(j, float(bounds.nbytes[a])) for a, j in s_vars + r_vars], p.excess)
             if families.covers:
                 covers(model, bounds, s_vars + r_vars, p.excess, None)
         # D2H: the evicted swaps' copies end by θ (at a cut; a rebuild point's evictions are later)

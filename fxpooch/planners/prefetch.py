@@ -53,10 +53,10 @@ def place_prefetches(graph: StepGraph, jit: Schedule, budget: int, memory: np.nd
         # snap to the start of a backward op's group (not later than the just-in-time one)
         k = bisect.bisect_left(starts, best)
         late = jit.prefetch_before[a]
-        if k < len(ops) and ops[k] <= late:
-            choice, gi = ops[k], starts[k]
-        else:  # the just-in-time op's group
-            choice, gi = late, int(starts_of_runs[np.flatnonzero(run_ops == late)[0]])
+        if not (k < len(ops) and ops[k] <= late):
+            k = bisect.bisect_left(ops, late)  # the just-in-time op's group
+            assert ops[k] == late, "a prefetch placed before no backward op of its own graph"
+        choice, gi = ops[k], starts[k]
         mem[gi:jit_i] += nbytes
         floor_index[g] = gi
         placed[a] = choice
