@@ -252,6 +252,31 @@ def test_bound_is_infinite_below_the_floor():
     assert lower_bound(Evaluator(tight)) == math.inf
 
 
+def test_seeds_skip_only_reference_plans_that_cannot_win(instances):
+    """``seeds`` judges a reference plan only where its time bound is under the best so far: the
+    seed is the fastest fitting one of PoocH's plan and the reference plans, each judged."""
+    from fxpooch.planners.baselines import checkpoint_plan
+    from fxpooch.planners.pooch import plan_pooch
+    from fxpooch.planners.search import seeds
+
+    for prob, _ in instances:
+        judged = Evaluator(prob)
+        try:
+            plans = [plan_pooch(prob, ev=judged)]
+        except InfeasibleMemoryLimit:
+            plans = []
+        plans += [judged.evaluate(judged.all_swap()), checkpoint_plan(judged)[0], judged.evaluate(judged.all_recompute())]
+        fitting = [c.step_time for c in plans if c is not None and c.fits]
+        if not fitting:
+            continue
+        ev = Evaluator(prob)
+        seed = seeds(ev, "test")
+        assert seed.step_time == min(fitting)
+        for decisions in (ev.all_swap(), ev.all_recompute()):
+            if (tuple(decisions), True, None) not in ev._cache:
+                assert ev.time_bound(decisions) >= seed.step_time
+
+
 @pytest.mark.parametrize("name", ["transformer_block", "resnet_small"])
 @pytest.mark.parametrize("fraction", [0.25, 0.5])
 def test_local_search_never_slower_than_pooch(name, fraction):
