@@ -76,6 +76,20 @@ class Schedule:
         return np.fromiter(map(_op_of, self.instrs), dtype=np.int64, count=len(self.instrs))
 
     @functools.cached_property
+    def instance_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per instance, read-only arrays: its bytes, the instruction allocating it (-1: none) and
+        the one reading it last, whether it is allocated on the device, and whether it is freed
+        (allocated, not persistent). The simulator and ``static_memory`` both read them."""
+        nbytes = np.asarray(self.instance_bytes, dtype=np.int64)
+        alloc = np.asarray(self.first_alloc, dtype=np.int64)
+        last = np.asarray(self.last_reader, dtype=np.int64)
+        live = (alloc >= 0) & (nbytes > 0)
+        columns = (nbytes, alloc, last, live, live & ~np.asarray(self.persistent, dtype=bool))
+        for column in columns:
+            column.setflags(write=False)
+        return columns
+
+    @functools.cached_property
     def instr_scratch(self) -> tuple[int, ...]:
         """Per instruction: the scratch bytes held while it runs (a RUN's or RECOMPUTE's op's); ()
         when no op takes any."""

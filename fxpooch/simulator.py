@@ -160,7 +160,7 @@ def _frees(graph: StepGraph, schedule: Schedule) -> tuple[list[int], list[int], 
     activation's (its copy may still run), or one no instruction reads (its last reader is its
     allocator, a prefetch perhaps, which ends on its own stream)."""
     n = len(schedule.instrs)
-    nbytes, alloc, last, live, freed = _instances(schedule)
+    nbytes, alloc, last, live, freed = schedule.instance_columns
     later = alloc == last
     offloaded = [graph.activations[a].buffer for a, d in enumerate(schedule.decisions) if d is Decision.SWAP]
     later[offloaded] = True
@@ -174,17 +174,6 @@ def _frees(graph: StepGraph, schedule: Schedule) -> tuple[list[int], list[int], 
     for x, r in zip(xs.tolist(), last[xs].tolist()):
         frees_after.setdefault(r, []).append(x)
     return new_bytes, freed_at, frees_after
-
-
-def _instances(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per instance of ``schedule``: its bytes, the instruction allocating it (-1: none) and the one
-    reading it last, whether it is allocated on the device, and whether it is freed (allocated,
-    not persistent)."""
-    nbytes = np.asarray(schedule.instance_bytes, dtype=np.int64)
-    alloc = np.asarray(schedule.first_alloc, dtype=np.int64)
-    last = np.asarray(schedule.last_reader, dtype=np.int64)
-    live = (alloc >= 0) & (nbytes > 0)
-    return nbytes, alloc, last, live, live & ~np.asarray(schedule.persistent, dtype=bool)
 
 
 def release_points(graph: StepGraph, schedule: Schedule, timeline: Timeline) -> dict[ActivationId, OpId]:
@@ -224,7 +213,7 @@ def static_memory(schedule: Schedule) -> np.ndarray:
     """Device bytes live during each instruction (resident excluded, an op's scratch included),
     copies instantaneous."""
     n = len(schedule.instrs)
-    nbytes, alloc, last, live, freed = _instances(schedule)
+    nbytes, alloc, last, live, freed = schedule.instance_columns
     delta = np.bincount(alloc[live], nbytes[live], minlength=n + 1) - np.bincount(
         last[freed] + 1, nbytes[freed], minlength=n + 1)
     mem = np.cumsum(delta[:n]).astype(np.int64)
