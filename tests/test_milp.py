@@ -19,7 +19,7 @@ from test_search import FRACTIONS, GRAPHS, at_fraction, brute_force, problem
 from zoo import MiB
 
 pytest.importorskip("scipy")
-from fxpooch.planners.lp import LARGE, MIP_REL_GAP, lp_lower_bound, relaxation, solve  # noqa: E402
+from fxpooch.planners.lp import LARGE, MIP_REL_GAP, lp_lower_bound, probed_cut_bound, relaxation, solve  # noqa: E402
 from fxpooch.planners.milp import MilpBound, milp_lower_bound  # noqa: E402
 
 
@@ -70,9 +70,11 @@ def test_milp_is_near_the_optimum_at_the_floor(hardware, fraction):
 def test_a_model_past_its_nonzeros_keeps_the_cut_bound(caplog):
     """The relaxation grows about as activations^3, and HiGHS's time faster: past
     ``max_nonzeros`` it stops while built; where even the smallest fallback (``lp.LARGE``) would
-    pass it, both bounds are the cut bound, with a warning."""
+    pass it, both bounds are the cut bound after probing (above the cut bound at this floor:
+    probing rules out every recompute), with a warning."""
     prob = problem("mlp", 0.0, "v100-pcie3")
-    cut = lower_bound(Evaluator(prob))
+    cut, _ = probed_cut_bound(Bounds(Evaluator(prob)))
+    assert cut > lower_bound(Evaluator(prob))
     size = relaxation(Bounds(Evaluator(prob)), LARGE).nonzeros
     assert lp_lower_bound(Evaluator(prob), max_nonzeros=size) > cut  # the smallest model: tighter
     with caplog.at_level(logging.WARNING, logger="fxpooch.planner"):

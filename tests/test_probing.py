@@ -57,6 +57,25 @@ def test_no_fitting_plan_takes_a_ruled_out_decision(name, fraction, make):
     assert ruled_out == RULED_OUT.get((name, fraction), [])
 
 
+#: the rows where the cut bound rises once probing's recomputes are ruled out (``Bounds(not_recomputed=...)``)
+CUT_LIFTED = {("branchy", 0.75), ("mlp v100-pcie3", 0.0), ("mlp h100-pcie5", 0.0)}
+
+
+@pytest.mark.parametrize("name, fraction, make", list(_rows()), ids=lambda v: str(v) if not callable(v) else "")
+def test_the_cut_bound_without_the_ruled_out_recomputes_stays_below_the_optimum(name, fraction, make):
+    """The cut bound with probing's ruled-out recomputes taken as not recomputable: no lower than
+    the cut bound, no higher than the fastest fitting plan (infinite where none fits: branchy at
+    0.75, where the cut bound alone says 11.75), and what ``lp_lower_bound`` never goes under."""
+    prob = make()
+    optimum = min(brute_force(prob).values(), default=math.inf)
+    cut = Bounds(Evaluator(prob)).bound()
+    probed = Bounds(Evaluator(prob), frozenset(_ruled_out(prob))).bound()
+    assert cut <= probed <= optimum * (1 + 1e-12)
+    assert (probed > cut) == ((name, fraction) in CUT_LIFTED)
+    lp = lp_lower_bound(Evaluator(prob))
+    assert probed <= lp * (1 + 1e-9) and lp <= optimum * (1 + 1e-9)
+
+
 def _attention():
     """An attention head in miniature: the query and key (drawn by dropouts: not recomputable), the
     scores made from them (not saved), the softmax ``p`` and the dropout output ``o`` made from the

@@ -122,8 +122,11 @@ class RebuildPoint:
 class Bounds:
     """Per problem: the cuts, each activation's costs, and the bounds built from them."""
 
-    def __init__(self, ev: Evaluator):
+    def __init__(self, ev: Evaluator, not_recomputed: frozenset[int] = frozenset()):
         self.ev = ev
+        #: activations no fitting plan recomputes (``lp.not_recomputable``, by probing): each
+        #: bound treats them as not recomputable
+        self.not_recomputed = frozenset(not_recomputed)
         graph, costs = ev.graph, ev.problem.costs
         acts = graph.activations
         self.nbytes = [graph.buffers[a.buffer].nbytes for a in acts]
@@ -150,7 +153,7 @@ class Bounds:
         That is its chain with every other activation available, less the ops already counted
         for a lower-numbered activation: a shared segment (``build_schedule(share=True)``) runs
         an op once for all the activations it rebuilds, so the costs of any set of recomputed
-        activations add up to at most what their recomputes run.
+        activations add up to at most what their recomputes run. Infinite for ``not_recomputed``.
         """
         keep = [Decision.KEEP if d is None else d for d in decided]
         out = []
@@ -158,6 +161,9 @@ class Bounds:
         for a, d in enumerate(decided):
             if self.first_reader[a] is None:  # never read in the backward: a recompute runs nothing
                 out.append(0.0)
+                continue
+            if a in self.not_recomputed:
+                out.append(math.inf)
                 continue
             try:
                 recompute_chain(self.ev.graph, a, [*keep[:a], Decision.RECOMPUTE, *keep[a + 1:]], self.ev.owner)

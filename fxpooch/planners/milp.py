@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .bounds import Bounds
 from .common import Evaluator
-from .lp import MAX_NONZEROS, ModelTooLarge, probed_relaxation, solve
+from .lp import MAX_NONZEROS, ModelTooLarge, probed_cut_bound, probed_relaxation, solve
 
 log = logging.getLogger("fxpooch.planner.milp")
 
@@ -31,19 +31,19 @@ class MilpBound:
 
 def milp_lower_bound(ev: Evaluator, time_limit: float | None = 60.0,
                      max_nonzeros: int | None = MAX_NONZEROS) -> MilpBound:
-    """The MILP's bound after probing (:mod:`.probing`), never below the cut
-    bound; ``time_limit``: HiGHS's wall-clock seconds; the cut bound alone where even the probed
-    model would pass ``max_nonzeros`` (:data:`.lp.MAX_NONZEROS`).
+    """The MILP's bound after probing (:mod:`.probing`), never below the cut bound after probing
+    (:func:`.lp.probed_cut_bound`); ``time_limit``: HiGHS's wall-clock seconds; that cut bound
+    alone where even the probed model would pass ``max_nonzeros`` (:data:`.lp.MAX_NONZEROS`).
 
     Raises ImportError without scipy."""
     bounds = Bounds(ev)
-    cut_bound = bounds.bound()
+    cut_bound, ruled_out = probed_cut_bound(bounds)
     if cut_bound == math.inf:
         return MilpBound(math.inf, True, None)
     try:
-        model = probed_relaxation(bounds, max_nonzeros=max_nonzeros)
+        model = probed_relaxation(bounds, max_nonzeros=max_nonzeros, ruled_out=ruled_out)
     except ModelTooLarge as e:
-        log.warning("MILP: %s (%d activations); the cut bound only", e, len(ev.graph.activations))
+        log.warning("MILP: %s (%d activations); the cut bound after probing only", e, len(ev.graph.activations))
         return MilpBound(cut_bound, False, None)
     res = solve(model, integral=True, time_limit=time_limit)
     if res.status == 2:  # infeasible: no integral choice of evictions meets every point
@@ -54,7 +54,7 @@ def milp_lower_bound(ev: Evaluator, time_limit: float | None = 60.0,
     if res.status == 0 and dual is not None and math.isfinite(dual):
         return MilpBound(max(cut_bound, float(dual) * model.unit), True, float(res.fun) * model.unit)
     if dual is None or not math.isfinite(dual):
-        log.warning("MILP: %s; the cut bound only", res.message)
+        log.warning("MILP: %s; the cut bound after probing only", res.message)
         return MilpBound(cut_bound, False, None)
     log.info("MILP stopped (%s): dual bound %.6g", res.message, dual)
     return MilpBound(max(cut_bound, float(dual) * model.unit), False,

@@ -51,7 +51,7 @@ def probe(model: Model, bounds: Bounds, window: int = WINDOW) -> list[int]:
     _, a_ub, b_ub, a_eq, b_eq, lo, hi = model.matrices()
     b_ub = b_ub + LOOSEN * np.maximum(1.0, np.abs(b_ub))
     eq_slack = LOOSEN * np.maximum(1.0, np.abs(b_eq))
-    equal = LinearConstraint(a_eq, b_eq - eq_slack, b_eq + eq_slack)
+    eq_cols = a_eq.tocsc()
     row_ops = np.asarray([-1 if op is None else op for op in model.row_ops])
     shared = row_ops < 0
     first_reader = bounds.first_reader
@@ -65,12 +65,15 @@ def probe(model: Model, bounds: Bounds, window: int = WINDOW) -> list[int]:
             if hi[j] == 0:
                 continue
             rows = np.flatnonzero(shared | ((row_ops >= reader - window) & (row_ops <= reader + window)))
-            cost = np.zeros(len(lo))
-            cost[j] = -1.0
-            res = milp(cost, constraints=[LinearConstraint(a_ub[rows], -np.inf, b_ub[rows]), equal],
-                       bounds=VarBounds(lo, hi))
+            below = a_ub[rows]
+            cols, eqs = _closure(below, a_eq, eq_cols, j)
+            cost = np.zeros(len(cols))
+            cost[np.searchsorted(cols, j)] = -1.0
+            res = milp(cost, bounds=VarBounds(lo[cols], hi[cols]), constraints=[
+                LinearConstraint(below[:, cols], -np.inf, b_ub[rows]),
+                LinearConstraint(a_eq[eqs][:, cols], b_eq[eqs] - eq_slack[eqs], b_eq[eqs] + eq_slack[eqs])])
             solves += 1
-            if res.status == 2 or (res.status == 0 and res.x[j] < ONE):
+            if res.status == 2 or (res.status == 0 and res.x[np.searchsorted(cols, j)] < ONE):
                 hi[j] = 0.0
                 found.append(j)
         fixed += found
@@ -80,3 +83,20 @@ def probe(model: Model, bounds: Bounds, window: int = WINDOW) -> list[int]:
         model.hi[j] = 0.0
     log.info("probing: %d recomputes ruled out in %d LPs", len(fixed), solves)
     return fixed
+
+
+def _closure(below, a_eq, eq_cols, j: int):
+    """The columns of a probe's model (sorted) and its equality rows: the variables of the rows
+    ``below`` and ``j``, and, in turn, the equality rows any of them is in and their variables.
+    Every other variable is in no row of the probe: dropping it leaves the same maximum."""
+    import numpy as np
+
+    keep = np.zeros(a_eq.shape[1], dtype=bool)
+    keep[below.indices] = True
+    keep[j] = True
+    while True:
+        eqs = np.unique(eq_cols[:, np.flatnonzero(keep)].indices)
+        more = a_eq[eqs].indices
+        if keep[more].all():
+            return np.flatnonzero(keep), eqs
+        keep[more] = True
