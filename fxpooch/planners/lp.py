@@ -395,8 +395,8 @@ def lp_lower_bound(ev: Evaluator, max_nonzeros: int | None = MAX_NONZEROS) -> fl
     :func:`probed_cut_bound`: that one is kept when larger, and returned alone where the LP fails
     or would pass ``max_nonzeros`` (GPT-2 from 12 layers on, ResNet-50). Probing comes first and
     takes minutes on such graphs (454 CPU s at GPT-2 12L's PCIe3 floor, whose probing model has
-    11.9M nonzeros, 6L's 1.8M: at 24 layers it would pass :data:`PROBE_NONZEROS`). Without scipy, the cut bound
-    (``bounds.lower_bound``)."""
+    11.9M nonzeros, 6L's 1.8M: at 24 layers it would pass :data:`PROBE_NONZEROS`). Without
+    scipy, the cut bound (``bounds.lower_bound``)."""
     bounds = Bounds(ev)
     try:
         import scipy.optimize  # noqa: F401
@@ -409,7 +409,8 @@ def lp_lower_bound(ev: Evaluator, max_nonzeros: int | None = MAX_NONZEROS) -> fl
     try:
         model = probed_relaxation(bounds, max_nonzeros=max_nonzeros, ruled_out=ruled_out)
     except ModelTooLarge as e:
-        log.warning("LP relaxation: %s (%d activations); the cut bound after probing only", e, len(ev.graph.activations))
+        log.warning("LP relaxation: %s (%d activations); the cut bound after probing only", e,
+                    len(ev.graph.activations))
         return cut_bound
     res = solve(model)
     if res.status == 2:  # infeasible: no split of the evictions meets every point

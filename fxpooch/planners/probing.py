@@ -67,13 +67,14 @@ def probe(model: Model, bounds: Bounds, window: int = WINDOW) -> list[int]:
             rows = np.flatnonzero(shared | ((row_ops >= reader - window) & (row_ops <= reader + window)))
             below = a_ub[rows]
             cols, eqs = _closure(below, a_eq, eq_cols, j)
+            at = np.searchsorted(cols, j)  # x_a^r's column in the probe
             cost = np.zeros(len(cols))
-            cost[np.searchsorted(cols, j)] = -1.0
+            cost[at] = -1.0
             res = milp(cost, bounds=VarBounds(lo[cols], hi[cols]), constraints=[
                 LinearConstraint(below[:, cols], -np.inf, b_ub[rows]),
                 LinearConstraint(a_eq[eqs][:, cols], b_eq[eqs] - eq_slack[eqs], b_eq[eqs] + eq_slack[eqs])])
             solves += 1
-            if res.status == 2 or (res.status == 0 and res.x[np.searchsorted(cols, j)] < ONE):
+            if res.status == 2 or (res.status == 0 and res.x[at] < ONE):
                 hi[j] = 0.0
                 found.append(j)
         fixed += found
