@@ -24,9 +24,10 @@ planner over GPT-2 depths, ResNet-50 and the test zoo at limits from the floor t
 three presets, its gap to the best plan and the bound, and planning time vs graph size
 (results/planners_sweep.json, results/planners_time.svg). The best plan counts the baselines and
 ``local`` with 8x its work on graphs of up to 4,500 ops (``planners_sweep.LONG``): what the
-default budget leaves on the table. ``--part sweep-planners``, ``--part sweep-bounds`` and
-``--part sweep-long`` make the planners' columns, the bound columns or that longer search's
-again on the saved rows. Where the gap table ran the same row (the test zoo and GPT-2 2L at the
+default budget leaves on the table; ``--part sweep-longer`` adds ``local`` with 64x its work on
+the saved rows of graphs of up to 1,400 ops (``planners_sweep.LONGER``), counted the same way.
+``--part sweep-planners``, ``--part sweep-bounds`` and ``--part sweep-long`` make the planners'
+columns, the bound columns or the 8x search's again on the saved rows. Where the gap table ran the same row (the test zoo and GPT-2 2L at the
 floor, 1/4 and 1/2), the sweep's bound is the higher of its own and the gap table's (its MILP or
 exact search's proved bound), and the exact search's plan counts among the best; ``--part
 sweep-summary`` reads the gap table again without re-running the sweep.
@@ -336,14 +337,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small models and fewer presets (a few minutes)")
     ap.add_argument("--models", help="comma list of the models to run (default: all of the chosen set)")
-    ap.add_argument("--part", choices=("all", "gap", "sweep", "sweep-planners", "sweep-bounds", "sweep-long", "sweep-summary", "exact", "bounds",
-                                           "milp", "planners"),
+    ap.add_argument("--part", choices=("all", "gap", "sweep", "sweep-planners", "sweep-bounds", "sweep-long", "sweep-longer",
+                                       "sweep-summary", "exact", "bounds", "milp", "planners"),
                     default="all",
                     help="gap: planners vs the optimum / bound; sweep: the default planner over models, "
                          "limits and presets, with planning time vs graph size; sweep-planners: the sweep's "
                          "planners alone on its saved rows (after a planner changed); sweep-bounds: the sweep's "
                          "bounds alone on its saved rows; sweep-long: on its saved rows, local at 8x its work alone "
-                         "(part of the best plan); sweep-summary: the sweep's saved rows summarised again with the "
+                         "(part of the best plan); sweep-longer: the same at 64x, on graphs of up to 1,400 ops; sweep-summary: the sweep's saved rows summarised again with the "
                          "gap table's bounds and exact plans; exact: the exact search "
                          "alone on the saved gap rows without an optimum; bounds: the bounds alone on the saved "
                          "gap rows (after the model changed); milp: the MILP alone, with --milp-seconds, on "
@@ -377,11 +378,11 @@ def main(argv=None) -> int:
         print(gap_table(rows, planners))
         write_gap_table(GAP_DOC, rows, planners)
         return 0
-    if args.part in ("all", "sweep", "sweep-planners", "sweep-bounds", "sweep-long", "sweep-summary"):
+    if args.part in ("all", "sweep", "sweep-planners", "sweep-bounds", "sweep-long", "sweep-longer", "sweep-summary"):
         only = set(args.models.split(",")) if args.models and args.part != "all" else None
         planners_sweep.main(args.quick, os.path.join(os.path.dirname(args.out), "planners_sweep.json"), only,
                             part=args.part)
-    if args.part in ("sweep", "sweep-planners", "sweep-bounds", "sweep-long", "sweep-summary"):
+    if args.part in ("sweep", "sweep-planners", "sweep-bounds", "sweep-long", "sweep-longer", "sweep-summary"):
         return 0
     models = QUICK if args.quick else FULL
     if args.models:

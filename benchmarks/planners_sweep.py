@@ -51,6 +51,13 @@ BEST_TOLERANCE, BOUND_TOLERANCE = 0.10, 0.15
 #: of ``local``'s budget, and 8x the work buys 460 simulations against 300: hardly a longer search)
 LONG_WORK, LONG_UP_TO = 8, 4_500
 LONG = f"local-{LONG_WORK}x"
+#: and, where ``--part sweep-longer`` ran (graphs of at most ``LONGER_UP_TO`` ops), ``local`` with
+#: this many times its work: at ResNet-50's PCIe3 floor 8x stops at 1.767x in-core, 64x finds 1.698x
+#: (``local``: 1.883x), while at GPT-2 6L's floor 64x ends where 8x does
+LONGER_WORK, LONGER_UP_TO = 64, 1_400
+LONGER = f"local-{LONGER_WORK}x"
+#: the longer searches' columns, each counted among the best plans
+LONG_SEARCHES = (LONG, LONGER)
 #: the gap table (``planners.py --part gap``, saved beside this sweep's JSON) runs some of the same
 #: rows (the test zoo and GPT-2 2L, at the floor and 1/4 and 1/2 of the way to in-core): there its
 #: MILP and exact search bound the optimum better than the LP alone, and the exact search's plan
@@ -59,9 +66,12 @@ GAP_TABLE = "planners.json"
 EXACT = "exact"
 
 
-def long_local(problem):
-    """``local`` with :data:`LONG_WORK` times its work."""
-    return plan_local(problem, SearchOptions(work=LONG_WORK * SearchOptions().work))
+def long_local(work: int):
+    """``local`` with ``work`` times its work, as a planner."""
+    def planner(problem):
+        return plan_local(problem, SearchOptions(work=work * SearchOptions().work))
+    planner.__name__ = f"local-{work}x"
+    return planner
 
 
 def gpt2(n_layer: int, batch: int = 8, seq: int = 1024):
@@ -119,16 +129,23 @@ def planner_columns(base: Plan, limit: int) -> dict:
     return row
 
 
-def long_columns(base: Plan, limit: int) -> dict:
-    """:data:`LONG`'s plan relative to in-core and its CPU seconds (None past :data:`LONG_UP_TO` ops)."""
-    if len(base.graph.ops) > LONG_UP_TO:
-        return {LONG: None, f"{LONG}_s": None}
+def long_columns(base: Plan, limit: int, work: int = LONG_WORK, up_to: int = LONG_UP_TO) -> dict:
+    """The plan of ``local`` with ``work`` times its work (:data:`LONG` by default) relative to
+    in-core and its CPU seconds (None past ``up_to`` ops)."""
+    name = f"local-{work}x"
+    if len(base.graph.ops) > up_to:
+        return {name: None, f"{name}_s": None}
     t0 = time.process_time()
     try:
-        found = fxpooch.replan(base, planner=long_local, mem_limit=limit).step_time / base.in_core_time
+        found = fxpooch.replan(base, planner=long_local(work), mem_limit=limit).step_time / base.in_core_time
     except InfeasibleMemoryLimit:
         found = None
-    return {LONG: found, f"{LONG}_s": time.process_time() - t0}
+    return {name: found, f"{name}_s": time.process_time() - t0}
+
+
+def longer_columns(base: Plan, limit: int) -> dict:
+    """:data:`LONGER`'s columns (:func:`long_columns`): run by ``--part sweep-longer`` alone."""
+    return long_columns(base, limit, LONGER_WORK, LONGER_UP_TO)
 
 
 def bound_columns(base: Plan, limit: int) -> dict:
@@ -165,9 +182,10 @@ def best_bound(row: dict) -> tuple[float | None, str | None]:
 
 
 def gaps(row: dict) -> dict:
-    """The best plan of the planners compared, :data:`LONG` and the gap table's exact search, and
-    the default planner's gaps to it and to the best bound (:func:`best_bound`)."""
-    found = [row[p] for p in (*PLANNERS_COMPARED, LONG, EXACT) if row.get(p) is not None]
+    """The best plan of the planners compared, the longer searches (:data:`LONG_SEARCHES`, where
+    they ran) and the gap table's exact search, and the default planner's gaps to it and to the
+    best bound (:func:`best_bound`)."""
+    found = [row[p] for p in (*PLANNERS_COMPARED, *LONG_SEARCHES, EXACT) if row.get(p) is not None]
     best = min(found) if found else None
     d = row[DEFAULT]
     bound, kind = best_bound(row)
@@ -303,7 +321,8 @@ def write_readme(path: str, rows: list[dict], commands: list[str]) -> None:
     body = (f"\n{ran} (benchmarks/results/planners_sweep.json; simulated on the analytic cost model, "
             f"presets {', '.join(sorted({r['hardware'] for r in rows}))}, limits from the floor to 3/4 of the way to "
             f"in-core; the best plan of {', '.join(PLANNERS_COMPARED)} and, on graphs of at most {LONG_UP_TO:,} ops, "
-            f"`{DEFAULT}` with {LONG_WORK}x its work, and at the gap table's rows its exact search's plan; the bound: the "
+            f"`{DEFAULT}` with {LONG_WORK}x its work, where `--part sweep-longer` ran (graphs of at most {LONGER_UP_TO:,} "
+            f"ops) with {LONGER_WORK}x, and at the gap table's rows its exact search's plan; the bound: the "
             f"sweep's own and, at those rows, the gap table's MILP or exact search where higher; planning CPU seconds "
             f"on a 2-core machine):\n\n{readme_table(rows)}\n")
     replace_between(path, README_BEGIN, README_END, body)
@@ -358,7 +377,8 @@ def merged(rows: list[dict], out: str, names: list[str]) -> list[dict]:
 
 
 #: ``--part`` -> the columns it makes again on the saved rows
-REFRESH = {"sweep-planners": planner_columns, "sweep-bounds": bound_columns, "sweep-long": long_columns}
+REFRESH = {"sweep-planners": planner_columns, "sweep-bounds": bound_columns, "sweep-long": long_columns,
+           "sweep-longer": longer_columns}
 
 
 def main(quick: bool, out: str, only: set[str] | None = None, part: str = "sweep") -> None:
@@ -380,13 +400,15 @@ def main(quick: bool, out: str, only: set[str] | None = None, part: str = "sweep
         return "fails" if v is None else f"{v:.3f}x"
 
     table = [[r["model"], r["hardware"], f"{r['fraction']:.2f}", r["ops"],
-              *(fmt(r.get(p)) for p in (*PLANNERS_COMPARED, LONG, EXACT)), fmt(r["best_bound"]), r["best_bound_kind"],
+              *(fmt(r.get(p)) for p in (*PLANNERS_COMPARED, *LONG_SEARCHES, EXACT)), fmt(r["best_bound"]),
+              r["best_bound_kind"],
               *("-" if r[g] is None else f"{100 * r[g]:.1f}%" for g in ("gap_to_best", "gap_to_bound")),
               f"{r[f'{DEFAULT}_s']:.1f}"]
              for r in rows]
     print(f"Simulated step time relative to in-core (analytic cost model, not measured); limit as a fraction "
           f"of in-core, from the floor up; gaps of the default planner ({DEFAULT}):")
-    print(tabulate(table, headers=["model", "hardware", "limit", "ops", *PLANNERS_COMPARED, LONG, EXACT, "bound", "kind",
+    print(tabulate(table, headers=["model", "hardware", "limit", "ops", *PLANNERS_COMPARED, *LONG_SEARCHES, EXACT,
+                                   "bound", "kind",
                                    "gap best", "gap bound", f"{DEFAULT} CPU s"]))
     summ = summary(rows)
     print(json.dumps(summ, indent=1))

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from planners_sweep import EXACT, LONG, gap_table_columns, gaps, summary, with_gap_table
+from planners_sweep import EXACT, LONG, LONGER, gap_table_columns, gaps, summary, with_gap_table
 
 KEY = {"model": "m", "hardware": "h", "point": 0.0, "ops": 90, "activations": 12, "fraction": 0.4}
 
@@ -41,6 +41,10 @@ def test_gap_table_columns_only_from_the_same_problem(gap, expected):
      1.25, 1.25, "milp", 0.2, 0.2),
     # the sweep's own where the gap table's is lower
     (sweep_row(1.5, 1.2, gap_table_bound=1.1, gap_table_bound_kind="cut"), 1.5, 1.2, "lp", 0.0, 0.25),
+    # the longer searches' plans count among the best, each where it ran
+    (sweep_row(1.5, 1.2, **{LONG: 1.44}), 1.44, 1.2, "lp", 1.5 / 1.44 - 1, 0.25),
+    (sweep_row(1.5, 1.2, **{LONG: 1.44, LONGER: 1.35}), 1.35, 1.2, "lp", 1.5 / 1.35 - 1, 0.25),
+    (sweep_row(1.5, 1.2, **{LONG: 1.44, LONGER: None}), 1.44, 1.2, "lp", 1.5 / 1.44 - 1, 0.25),
 ])
 def test_gaps_to_the_best_plan_and_the_best_bound(row, best, bound, kind, gap_to_best, gap_to_bound):
     got = gaps(row)
