@@ -16,7 +16,7 @@ from stepgraphs import CONV, RELU, chain
 from fxpooch.errors import InfeasibleMemoryLimit
 from fxpooch.planners import Evaluator, Problem, get_planner
 from fxpooch.planners.common import simulation_budget
-from fxpooch.planners.groups import (group_descent, group_search, group_trades, link_trades, rebuild_times,
+from fxpooch.planners.groups import (group_descent, group_search, group_trades, link_trades,
                                      repeated_groups, sides, tails)
 from fxpooch.planners.search import SearchOptions, plan_local
 from fxpooch.schedule import Decision
@@ -247,7 +247,7 @@ def test_group_search_spends_the_link_on_the_costliest_rebuilds(fraction):
     groups = repeated_groups(ev)
     convs, relus = groups
     assert [graph.ops[graph.activations[g[0]].producer].target for g in groups] == [CONV, RELU]
-    assert rebuild_times(ev) == [2.0, 0.5] * 8
+    assert ev.rebuild_times == (2.0, 0.5) * 8
 
     def uniform(conv: Decision, relu: Decision):
         decisions = [K] * len(graph.activations)
@@ -263,7 +263,7 @@ def test_group_search_spends_the_link_on_the_costliest_rebuilds(fraction):
     parts = groups + _halves(groups)
     assert group_descent(ev, seed, parts, 10**6) is seed  # no single group move helps
     assert group_trades(ev, seed, parts, 10**6) is None  # nor a keep traded for a free
-    traded = link_trades(ev, seed, parts, rebuild_times(ev), 10**6)
+    traded = link_trades(ev, seed, parts, ev.rebuild_times, 10**6)
     assert traded.decisions == uniform(S, R).decisions and traded.step_time == 69.0
     found = group_search(ev, seed, 10**6)
     assert found.fits and found.timeline.peak_bytes <= ev.problem.mem_limit
@@ -338,7 +338,7 @@ def test_group_search_trades_what_the_sides_changed():
     halves = groups + sides(groups, (0.5,))
     assert group_descent(ev, ev.evaluate(ev.all_swap()), groups, 10**6).decisions == plan["sksksksk"].decisions
     assert group_trades(ev, plan["sksksksk"], halves, 10**6) is None
-    assert link_trades(ev, plan["sksksksk"], halves, rebuild_times(ev), 10**6) is None
+    assert link_trades(ev, plan["sksksksk"], halves, ev.rebuild_times, 10**6) is None
     moves = groups + sides(groups) + tails(groups)
     assert group_descent(ev, plan["skskskkk"], moves, 10**6) is plan["skskskkk"]  # no single move helps
     assert group_descent(ev, plan["sksksksk"], moves, 10**6).decisions == plan["skskskkk"].decisions

@@ -12,7 +12,7 @@ import numpy as np
 from ..errors import InfeasibleMemoryLimit
 from ..graph import StepGraph
 from ..schedule import Decision, Schedule, build_schedule, move_prefetches
-from ..segments import NotRecomputable, Recomputes, can_recompute, member_owner, plan_recomputes
+from ..segments import NotRecomputable, Recomputes, can_recompute, chain_ops, member_owner, plan_recomputes
 from ..footprint import Footprint, program_memory
 from ..simulator import Timeline, simulate, static_memory
 from ..types import Costs
@@ -192,6 +192,18 @@ class Evaluator:
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
         return candidate
+
+    def known(self, decisions: Sequence[Decision], share: bool | None = None) -> Candidate | None:
+        """The candidate :meth:`evaluate` made for ``decisions`` (early prefetches) and ``share``
+        if it is still remembered, else None; judges nothing."""
+        return self._cache.get((tuple(decisions), True, share))
+
+    @functools.cached_property
+    def rebuild_times(self) -> tuple[float, ...]:
+        """Per activation: seconds of its shortest recompute chain (every other activation available)."""
+        op_time = self.problem.costs.op_time
+        return tuple(sum(op_time[o] for o in chain_ops(self.graph, a, lambda _: False, self.owner, strict=False))
+                     for a in range(len(self.graph.activations)))
 
     def cannot_beat(self, decisions: Sequence[Decision], step_time: float) -> bool:
         """True when no plan of ``decisions`` can run the step in less than ``step_time``: by

@@ -9,7 +9,6 @@ import logging
 from collections.abc import Sequence
 
 from ..schedule import Decision
-from ..segments import chain_ops
 from .common import Candidate, Evaluator
 from .moves import faster, with_group
 
@@ -93,7 +92,7 @@ def group_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], stop_at
     return first_faster(ev, best, ((parts[i], Decision.KEEP, parts[j], d) for _, i, j, d in trades), stop_at)
 
 
-def link_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], rebuild: list[float],
+def link_trades(ev: Evaluator, best: Candidate, parts: list[list[int]], rebuild: Sequence[float],
                 stop_at: int, touching: set[int] | None = None) -> Candidate | None:
     """The first faster fitting plan that swaps one group or group side it recomputes now and
     recomputes another, disjoint one that now sends at least as many bytes over the link; the
@@ -141,13 +140,6 @@ def first_faster(ev: Evaluator, best: Candidate, trades, stop_at: int) -> Candid
     return None
 
 
-def rebuild_times(ev: Evaluator) -> list[float]:
-    """Per activation: seconds of its shortest recompute chain (every other activation available)."""
-    op_time = ev.problem.costs.op_time
-    return [sum(op_time[o] for o in chain_ops(ev.graph, a, lambda _: False, ev.owner, strict=False))
-            for a in range(len(ev.graph.activations))]
-
-
 def group_search(ev: Evaluator, seed: Candidate, simulations: int, reserve: int = 0) -> Candidate:
     """Like :func:`local_search`, but each move sets a whole :func:`repeated_groups` group to
     keep, swap or recompute: a few simulations cover every layer of a deep model, however deep.
@@ -177,7 +169,7 @@ def group_search(ev: Evaluator, seed: Candidate, simulations: int, reserve: int 
     groups = repeated_groups(ev)
     best = group_descent(ev, seed, groups, stop_at)
     parts = groups + sides(groups, (0.5,))  # trades between halves
-    rebuild = rebuild_times(ev)
+    rebuild = ev.rebuild_times
     while (traded := _trade(ev, best, parts, rebuild, stop_at)) is not None:
         best = group_descent(ev, traded, groups, stop_at)
     before = best.decisions
@@ -190,7 +182,7 @@ def group_search(ev: Evaluator, seed: Candidate, simulations: int, reserve: int 
     return best
 
 
-def _trade(ev: Evaluator, best: Candidate, parts: list[list[int]], rebuild: list[float], stop_at: int,
+def _trade(ev: Evaluator, best: Candidate, parts: list[list[int]], rebuild: Sequence[float], stop_at: int,
            touching: set[int] | None = None) -> Candidate | None:
     """The first faster plan of :func:`group_trades`, else of :func:`link_trades` (``touching``:
     only trades that change one of these activations), scanning at most half the simulations
