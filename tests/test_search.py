@@ -422,3 +422,40 @@ def test_local_follows_a_change_with_one_near_it():
     assert moved.fits and moved.step_time < 0.96 * stuck.step_time
     _assert_no_single_trade_or_linked_move_helps(ev, stuck, order)
     assert get_planner("local")(prob).step_time <= moved.step_time * (1 + 1e-9)
+
+
+def test_a_trial_over_the_limit_by_one_kept_activation_is_tried_with_it_recomputed():
+    """Four 1 MiB activations in a chain (every op 1 s, every copy 1 s) under a 4 MiB limit (5 in
+    core). "krrr" fits with each chain rerun alone: 8 s of ops + 3 + 2 + 1 s of chains = 14 s
+    (shared, 11 s, it holds a2 and a3 over the limit). Keeping a2 as well ("kkrr") is over by
+    1 MiB in program order, chains apart or not: at g3, a1 and a2 kept, a3 rebuilt, g4's gradient
+    and g3's own. a1 and a2 are held there unread, each 1 MiB with a 1 s chain; a1 first:
+    "rkrr" fits with its chains shared, 8 + 2 (f3, f4, holding a3) + 1 (f1) = 11 s, then "krrr"."""
+    from fxpooch.planners.common import Unjudged
+    from fxpooch.planners.moves import faster, repairs
+    from zoo import MiB
+
+    graph, costs = chain([1.0] * 4, [1.0] * 4, [1] * 4, [(1.0, 1.0)] * 4)
+    plan = {p: [{"k": K, "s": S, "r": R}[c] for c in p] for p in ("krrr", "kkrr", "rkrr")}
+
+    def evaluator(limit_mib: int = 4) -> Evaluator:
+        return Evaluator(Problem(graph, costs, limit_mib * MiB))
+
+    ev = evaluator()
+    best = ev.evaluate(plan["krrr"])
+    assert best.fits and best.step_time == 14.0 and not best.shared
+    assert repairs(ev, plan["kkrr"], 4) == []  # not judged yet: nothing known of its schedule
+    assert faster(ev, best, plan["kkrr"], repairs_tried=0) is None
+    alone = ev.known(plan["kkrr"], share=False)
+    assert isinstance(alone, Unjudged) and alone.program_memory.max() == 5 * MiB
+    assert graph.ops[alone.layout.instrs[int(alone.program_memory.argmax())].op].name == "g3"
+    assert repairs(ev, plan["kkrr"], 4) == [plan["rkrr"], plan["krrr"]]
+    assert repairs(ev, plan["kkrr"], 1) == [plan["rkrr"]]
+
+    ev = evaluator()
+    found = faster(ev, ev.evaluate(plan["krrr"]), plan["kkrr"])
+    assert found.decisions == tuple(plan["rkrr"]) and found.fits and found.step_time == 11.0 and found.shared
+
+    ev = evaluator(3)  # over by 2 MiB there: no one kept activation covers it
+    ev.evaluate(plan["kkrr"])
+    assert repairs(ev, plan["kkrr"], 4) == []

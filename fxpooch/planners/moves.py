@@ -3,7 +3,9 @@ two activations of the same bytes trading decisions (:func:`exchange`), an activ
 recompute chain reads (:func:`linked`), a change with a follow-up near it (:func:`followups`), and
 clusters of kept activations that read one another (:func:`clusters`). Each returns a faster plan
 that fits, or says that none of its moves gave one, within a budget of simulations (``stop_at``, a
-value of ``ev.simulations``)."""
+value of ``ev.simulations``). Every move, the group moves' too, judges a trial by :func:`faster`:
+a trial just over the limit is tried again with one more kept activation recomputed
+(:func:`repairs`)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -37,8 +39,9 @@ def chain_readers(ev: Evaluator) -> tuple[list[list[int]], dict[int, set[int]]]:
 #: kept activations :func:`faster` tries recomputing (:func:`repairs`), one at a time, where a
 #: trial misses the limit in program order. ``local`` on ResNet-50, GPT-2 6L and 12L over PCIe3
 #: and PCIe5, from the floor to 3/4 of the way to in-core (24 rows), against none: 14 faster, 6
-#: slower (at most 1.8%), geometric mean -0.37%, in the same CPU time; ResNet-50's PCIe3 floor
-#: 1.883x -> 1.849x in-core (with 2: 1.878x; on ResNet-50's 8 rows, 1: -0.36%, 4: -0.64%)
+#: slower (at most 1.8%), geometric mean -0.37%; ResNet-50's PCIe3 floor 1.883x -> 1.849x in-core
+#: (with 2: 1.878x; on ResNet-50's 8 rows, 1: -0.36%, 4: -0.64%). The schedules a repair reads are
+#: not counted as work: at GPT-2's floors they add 10-15% to the planning time
 REPAIRS = 4
 
 
