@@ -45,7 +45,8 @@ def chain_readers(ev: Evaluator) -> tuple[list[list[int]], dict[int, set[int]]]:
 REPAIRS = 4
 
 
-def faster(ev: Evaluator, best: Candidate, trial: list[Decision], repairs_tried: int | None = None) -> Candidate | None:
+def faster(ev: Evaluator, best: Candidate, trial: list[Decision],
+           repairs_tried: int | None = None) -> Candidate | None:
     """The plan of ``trial`` if it fits and is faster than ``best``, else the first of its
     :func:`repairs` (``repairs_tried`` of them, default :data:`REPAIRS`) that does; else None.
     A plan that cannot be faster (``Evaluator.cannot_beat``) is not judged."""
@@ -72,9 +73,9 @@ def repairs(ev: Evaluator, trial: Sequence[Decision], k: int) -> list[list[Decis
     limit in program order (``Evaluator.known``). A move that misses the limit by less than one
     activation is often faster with one more recomputed: at ResNet-50's PCIe3 floor, keeping the
     last 5% of ``local``'s activations misses it by 33 MiB, and recomputing a 392 MiB ReLU output
-    of the second stage as well fits and is 1.0% faster than the plan before. The schedule read for its peak
-    is built once (the plan's, were it judged) and not counted as work; where no kept activation
-    could cover the bytes over, it is not built."""
+    of the second stage as well fits and is 1.0% faster than the plan before. The schedule read
+    for its peak is built once (the plan's, were it judged) and not counted as work; where no kept
+    activation could cover the bytes over, it is not built."""
     alone = ev.known(trial, share=False)
     if not isinstance(alone, Unjudged):
         return []
