@@ -27,10 +27,11 @@ three presets, its gap to the best plan and the bound, and planning time vs grap
 default budget leaves on the table; ``--part sweep-longer`` adds ``local`` with 64x its work on
 the saved rows of graphs of up to 1,400 ops (``planners_sweep.LONGER``), counted the same way.
 ``--part sweep-planners``, ``--part sweep-bounds`` and ``--part sweep-long`` make the planners'
-columns, the bound columns or the 8x search's again on the saved rows. Where the gap table ran the same row (the test zoo and GPT-2 2L at the
-floor, 1/4 and 1/2), the sweep's bound is the higher of its own and the gap table's (its MILP or
-exact search's proved bound), and the exact search's plan counts among the best; ``--part
-sweep-summary`` reads the gap table again without re-running the sweep.
+columns, the bound columns or the 8x search's again on the saved rows. Where the gap table ran the
+same row (the test zoo and GPT-2 2L at the floor, 1/4 and 1/2), the sweep's bound is the higher of
+its own and the gap table's (its MILP or exact search's proved bound), and the exact search's plan
+counts among the best; ``--part sweep-summary`` reads the gap table again without re-running the
+sweep.
 
 ``--part exact`` runs only the exact search on the rows of the saved gap part that have no
 optimum and no exact search with today's settings (``exact_settings``), in ``--jobs`` processes,
@@ -344,7 +345,8 @@ def main(argv=None) -> int:
                          "limits and presets, with planning time vs graph size; sweep-planners: the sweep's "
                          "planners alone on its saved rows (after a planner changed); sweep-bounds: the sweep's "
                          "bounds alone on its saved rows; sweep-long: on its saved rows, local at 8x its work alone "
-                         "(part of the best plan); sweep-longer: the same at 64x, on graphs of up to 1,400 ops; sweep-summary: the sweep's saved rows summarised again with the "
+                         "(part of the best plan); sweep-longer: the same at 64x, on graphs of up to 1,400 ops; "
+                         "sweep-summary: the sweep's saved rows summarised again with the "
                          "gap table's bounds and exact plans; exact: the exact search "
                          "alone on the saved gap rows without an optimum; bounds: the bounds alone on the saved "
                          "gap rows (after the model changed); milp: the MILP alone, with --milp-seconds, on "

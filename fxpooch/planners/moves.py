@@ -54,10 +54,10 @@ def faster(ev: Evaluator, best: Candidate, trial: list[Decision],
     if ev.cannot_beat(trial, step_time):
         return None
     c = ev.evaluate(trial)
-    if c is not None and c.fits:
-        return c if c.step_time < step_time else None
     if c is None:
         return None
+    if c.fits:
+        return c if c.step_time < step_time else None
     for fix in repairs(ev, trial, REPAIRS if repairs_tried is None else repairs_tried):
         if not ev.cannot_beat(fix, step_time) and (c := ev.evaluate(fix)) is not None and c.fits \
                 and c.step_time < step_time:
