@@ -530,3 +530,52 @@ def test_remembered_recompute_chains_build_the_schedules_a_fresh_graph_builds(na
     walks = segments.per_graph(graph, segments._chain_walks)
     assert 0 < walks.ops <= (max_ops or segments.MAX_WALK_OPS)
     assert (walks.restarts > 0) == (max_ops is not None)
+
+
+def _chain_op_by_op(graph: StepGraph, a: int, recomputed, owner, strict: bool) -> set[int] | None:
+    """``chain_ops``' definition, walked op by op: the forward ops reached from ``a``'s members
+    through saved values of recomputed activations (None: a strict walk meets an unsaved input or
+    a random op)."""
+    own = set(graph.activations[a].members)
+    chain: set[int] = set()
+    stack = list(own)
+    while stack:
+        x = stack.pop()
+        if x in chain or (x not in own and x in graph.saved and (x not in owner or not recomputed(owner[x]))):
+            continue
+        op = graph.ops[x]
+        if op.phase.value != "forward" or op.target == "placeholder" or (strict and not op.recomputable):
+            if strict:
+                return None
+            if op.phase.value != "forward" or op.target == "placeholder":
+                continue
+        chain.add(x)
+        stack.extend(op.recompute_args)
+    return chain
+
+
+@pytest.mark.parametrize("name", ["transformer_block", "resnet_small", "cnn_bn"])
+def test_chains_walked_by_segments_run_the_ops_an_op_by_op_walk_reaches(name):
+    """``chain_ops`` walks segments (the ops from one value to the next saved ones) remembered per
+    graph: for every activation, over random sets of recomputed ones, strict and not, it returns
+    the ops an op-by-op walk reaches, and raises exactly where that walk meets a dropout."""
+    import random
+    from fxpooch.segments import NotRecomputable, chain_ops, member_owner
+    from test_search import problem
+    graph = problem(name, 0.5).graph
+    owner = member_owner(graph)
+    rng = random.Random(0)
+    raised = 0
+    for _ in range(40):
+        p = rng.random()
+        recomputed = [rng.random() < p for _ in graph.activations]
+        for a in range(len(graph.activations)):
+            for strict in (True, False):
+                want = _chain_op_by_op(graph, a, recomputed.__getitem__, owner, strict)
+                try:
+                    got = chain_ops(graph, a, recomputed.__getitem__, owner, strict)
+                except NotRecomputable:
+                    got = None
+                    raised += 1
+                assert got == want, (a, strict)
+    assert (raised > 0) == (name == "transformer_block")
