@@ -50,6 +50,12 @@ def chain_ops(graph: StepGraph, a: ActivationId, recomputed: Callable[[Activatio
     It walks :class:`_Segment` s, not ops: from each value the chain runs through, the ops up to
     the next saved values, the same in every chain that reaches it. (Walking op by op took 3.0
     of the 23 CPU s that planning GPT-2 at 48 layers at its floor takes; this takes 0.9.)"""
+    return set().union(*(seg.ops for seg in _walk_segments(graph, a, recomputed, owner, strict)))
+
+
+def _walk_segments(graph: StepGraph, a: ActivationId, recomputed: Callable[[ActivationId], bool],
+                   owner: dict[int, ActivationId], strict: bool) -> list[_Segment]:
+    """The segments of ``chain_ops(graph, a, recomputed, owner, strict)``."""
     segment = per_graph(graph, _segments).get
     members = graph.activations[a].members
     todo, through, parts = list(members), set(members), []
@@ -58,23 +64,27 @@ def chain_ops(graph: StepGraph, a: ActivationId, recomputed: Callable[[Activatio
         seg = segment(x) or _add_segment(graph, x)
         if strict and seg.unsafe:
             raise NotRecomputable(f"{graph.activations[a].name}: {seg.unsafe}")
-        parts.append(seg.ops)
+        parts.append(seg)
         for y in seg.stops:
             if y not in through and y in owner and recomputed(owner[y]):
                 through.add(y)
                 todo.append(y)
-    return set().union(*parts)
+    return parts
 
 
 class _Segment(NamedTuple):
     """The forward ops a recompute chain runs from one value it runs through, up to the saved
     values it reaches (``stops``: the chain runs on through those whose activations are
     recomputed), and why a strict chain cannot run them (an unsaved input, a random or mutating
-    op; None: it can). The values of non-forward ops and placeholders are not walked through."""
+    op; None: it can). The values of non-forward ops and placeholders are not walked through.
+    ``owners``: the activations that own one of its ops; ``reads``: those that own a value one
+    of them reads."""
 
     ops: frozenset[int]
     stops: tuple[int, ...]
     unsafe: str | None
+    owners: frozenset[int]
+    reads: frozenset[int]
 
 
 def _segments(graph: StepGraph) -> dict[int, _Segment]:
@@ -102,7 +112,10 @@ def _add_segment(graph: StepGraph, x: int) -> _Segment:
             unsafe = unsafe or f"{op.name} ({op.target}) is random or mutating"
         ops.add(v)
         stack.extend(op.recompute_args)
-    seg = per_graph(graph, _segments)[x] = _Segment(frozenset(ops), tuple(stops), unsafe)
+    owner = per_graph(graph, member_owner)
+    seg = per_graph(graph, _segments)[x] = _Segment(
+        frozenset(ops), tuple(stops), unsafe, frozenset(owner[v] for v in ops if v in owner),
+        frozenset(owner[r] for v in ops for r in graph.ops[v].recompute_args if r in owner))
     return seg
 
 
@@ -150,6 +163,7 @@ def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool
     first_use = {a: first_reader[a] for a, d in enumerate(decisions) if d is not KEEP and first_reader[a] >= 0}
     chains: dict[int, tuple[int, ...]] = {}
     materialises: dict[int, tuple[int, ...]] = {}
+    reads: dict[int, frozenset[int]] = {}  # the same -> the activations its chain reads
     shared = False
     rebuilt: set[int] = set()
     walks = per_graph(graph, _chain_walks)
@@ -179,8 +193,9 @@ def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool
             answer = asked[c] = runs_on[c]
             shared = shared or (not answer and c in rebuilt)
             return answer
-        ops = chain_ops(graph, b, asking, owner)
-        leaf = _Walk(tuple(sorted(ops)), frozenset(owner[x] for x in ops if x in owner))
+        segs = _walk_segments(graph, b, asking, owner, True)
+        leaf = _Walk(tuple(sorted(set().union(*(s.ops for s in segs)))), frozenset().union(*(s.owners for s in segs)),
+                     frozenset().union(*(s.reads for s in segs)))
         _remember(walks, b, tuple(asked.items()), leaf)
         return leaf
 
@@ -190,12 +205,13 @@ def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool
         if b in rebuilt:
             continue
         if not share or b not in first_use or b in apart:
-            chains[b] = walk(b, recompute).ordered
+            found = walk(b, recompute)
+            chains[b], reads[b] = found.ordered, found.reads
             materialises[b] = (b,)
             continue
         found = walk(b, pending)
         chain: set[int] | None = None  # the walk's ops, made where first asked
-        owners = found.owners
+        owners, reads[b] = found.owners, found.reads
         whole: set[int] = set()
         grown = True
         while grown:  # a pending activation whose storage the chain allocates is rebuilt whole
@@ -206,12 +222,13 @@ def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool
                         chain = set(found.ordered)
                     if acts[c].producer not in chain:
                         continue
-                    if not whole:  # the walk's set is shared: grow a copy
+                    if not whole:  # the walk's sets are shared: grow copies
                         owners = set(owners)
                     whole.add(c)
                     more = walk(c, pending)
                     chain.update(more.ordered)
                     owners |= more.owners
+                    reads[b] = reads[b] | more.reads
                     grown = True
         shared = shared or bool(whole)
         chains[b] = tuple(sorted(chain)) if chain and whole else found.ordered
@@ -219,14 +236,12 @@ def plan_recomputes(graph: StepGraph, decisions: Sequence[Decision], share: bool
         rebuilt.update(materialises[b])
         for c in materialises[b]:
             pending[c] = False
-    read_by = per_graph(graph, _chain_reads)
-    for b, chain in chains.items():
+    SWAP = Decision.SWAP
+    for b, read in reads.items():  # a swapped activation a chain reads is needed by that chain
         if b not in first_use:
             continue
-        if chain not in read_by:
-            read_by[chain] = frozenset(owner[x] for o in chain for x in graph.ops[o].recompute_args if x in owner)
-        for a in read_by[chain]:
-            if a != b and decisions[a] is Decision.SWAP and a in first_use:
+        for a in read:
+            if a != b and decisions[a] is SWAP and a in first_use:
                 first_use[a] = min(first_use[a], first_use[b])
     return Recomputes(first_use, chains, materialises, shared, apart)
 
@@ -261,11 +276,6 @@ def _first_readers(graph: StepGraph) -> tuple[int, ...]:
     return tuple(r[0] if (r := graph.backward_readers(act)) else -1 for act in graph.activations)
 
 
-def _chain_reads(graph: StepGraph) -> dict[tuple[int, ...], frozenset[int]]:
-    """Per chain (its ops) met so far: the activations its ops read."""
-    return {}
-
-
 _PER_GRAPH: dict[int, tuple[weakref.ref, dict[Callable, object]]] = {}
 
 
@@ -281,11 +291,12 @@ def per_graph(graph: StepGraph, make: Callable[[StepGraph], object]):
 
 
 class _Walk(NamedTuple):
-    """A walk of an activation's recompute chain: its ops, in program order, and the activations
-    that own one of them."""
+    """A walk of an activation's recompute chain: its ops, in program order, the activations that
+    own one of them, and those that own a value one of them reads."""
 
     ordered: tuple[int, ...]
     owners: frozenset[int]
+    reads: frozenset[int]
 
 
 class _Walks(dict):
