@@ -315,8 +315,8 @@ class _Walks(dict):
 
 
 #: ops the walks of :class:`_Walks` hold per graph before it starts again (a leaf holds its chain as
-#: a tuple, 8 bytes an op: 64 MB, and two small sets of activations). Planning GPT-2 at 12 layers at its floor walks 0.18M (1,300
-#: walks), at 48 layers 3.5M (7,600 walks of 457 ops on average)
+#: a tuple, 8 bytes an op: 64 MB, and two small sets of activations). Planning GPT-2 at 12 layers
+#: at its floor walks 0.18M (1,300 walks), at 48 layers 3.5M (7,600 walks of 457 ops on average)
 MAX_WALK_OPS = 8_000_000
 
 
