@@ -7,11 +7,13 @@ import random
 
 import numpy as np
 import pytest
+from stepgraphs import MiB, chain
 from test_search import _two_graphs, problem
 
 from fxpooch.footprint import program_memory
 from fxpooch.planners import Evaluator
 from fxpooch.planners import common
+from fxpooch.planners.sharing import least_closures, partly_shared
 from fxpooch.schedule import Decision, build_schedule
 from fxpooch.segments import chain_inputs, member_owner, plan_recomputes
 from fxpooch.simulator import static_memory
@@ -103,3 +105,25 @@ def test_program_memory_with_chains_apart(name, graph):
         assert not any(len(alone.copies.held_at(i)) for i in range(len(alone.memory)))
     if name not in ("mlp", "two_graphs"):  # copies were held for sharing: what apart sets release
         assert held > 0
+
+
+@pytest.mark.parametrize("limit_mib, apart, memories", [(5, set(), 0), (4, {2, 3}, 1), (3, {0, 1, 2, 3}, 2)])
+def test_chains_set_apart_in_part_from_the_last_copy_of_a_run(limit_mib, apart, memories):
+    """Four recomputed 1 MiB activations a1..a4 of a chain (a_i's chain reads a_(i-1)). Shared, a4's
+    chain at g4 rebuilds a1..a3 and holds them for their own readers: 5 MiB at its peak
+    (a1..a4 and g4's gradient). Setting a_i apart sets apart a_i..a4 (their chains read it), so
+    the sets are nested and only a3's, {a3, a4}, is tried: 4 MiB (a1 and a2 held, a3's chain runs
+    again at g3). Under 3 MiB it misses, and the next peak holds a1 only: all four apart. There
+    setting a2 apart first, {a2, a3, a4}, would have fitted with one fewer (3 MiB): the rule
+    trades that for a memory per run of copies instead of one per copy."""
+    graph, _ = chain([1] * 4, [1] * 4, [1] * 4, [(1, 1)] * 4)
+    R = Decision.RECOMPUTE
+    decisions = [R] * 4
+    shared = program_memory(graph, decisions, True)
+    assert int(shared.memory.max()) == 5 * MiB
+    assert least_closures(graph, decisions, frozenset(), [0, 1, 2]) == [frozenset({2, 3})]
+    assert least_closures(graph, decisions, frozenset({2, 3}), [0]) == [frozenset({0, 1, 2, 3})]
+    recomputes, tried = partly_shared(graph, decisions, shared, lambda m: int(m.max()) <= limit_mib * MiB)
+    assert (set(recomputes.apart), tried) == (apart, memories)
+    fewer = program_memory(graph, decisions, True, plan_recomputes(graph, decisions, True, {1}))
+    assert (set(fewer.recomputes.apart), int(fewer.memory.max())) == ({1, 2, 3}, 3 * MiB)
