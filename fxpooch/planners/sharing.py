@@ -5,9 +5,9 @@ readers come (checkpointing's rule); an unshared one reruns every chain alone an
 no longer than its readers need. Near the floor the shared schedule is often over the limit at a
 few instructions only, where copies are held for sharing, while the unshared one fits and pays
 every rerun. :func:`partly_shared` keeps sharing everywhere but where it costs the peak: it sets
-apart (``plan_recomputes(apart=...)``) a copy held for sharing at the program-order peak, one at
-a time, and again at the next peak, until the plan fits, no copy is held there or
-:data:`MAX_TRIALS` memories were computed. ``Evaluator.evaluate`` tries it where the unshared
+apart (``plan_recomputes(apart=...)``) a copy held for sharing at the program-order peak (each
+of the least sets that takes: :func:`least_closures`), and again at the next peak, until the
+plan fits, no copy is held there or :data:`MAX_TRIALS` memories were computed. ``Evaluator.evaluate`` tries it where the unshared
 schedule fits and the shared one does not.
 
 Example: copies of activations 4 and 7, held from instructions 10 and 20 (rebuilt by earlier
@@ -104,7 +104,9 @@ def least_closures(graph: StepGraph, decisions: Sequence[Decision], apart: froze
     trying every copy, 21 apart in 16, 1.684x), and ``local``'s own plan with 17 apart in 10
     (1.814x; none within 16 before, so unshared, 1.849x). Not always the fewest in the end: where
     the last copy's set still misses the limit and an earlier one's alone would fit, the next
-    peak may take a larger set than that one.
+    peak may take a larger set than that one (``tests/test_footprint.py``'s 4-link chain at
+    3 MiB; putting such heads back once a set fits finds the fewer set, but on 36 sweep rows it
+    moved ``local``'s plans only through the trials it costs: benchmarks/PLANNERS.md).
     """
     closures = list(dict.fromkeys(apart_closure(graph, decisions, apart | {a}) for a in held))
     return [c for c in closures if not any(other < c for other in closures)]
