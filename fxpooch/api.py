@@ -266,10 +266,10 @@ class CompiledModule(nn.Module):
         self._pending = None
 
     def _note_step(self, planned: _Planned, out: Any) -> None:
-        nodes = {id(t.grad_fn): t.grad_fn for t in compat.tree_leaves(out)
-                 if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        refs = [r for t in compat.tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None
+                for r in (_weak_node(t.grad_fn),) if r is not None]
         first = planned.pairs[0]
-        self._pending = (first, first.backward_calls, [weakref.ref(n) for n in nodes.values()]) if nodes else None
+        self._pending = (first, first.backward_calls, refs) if refs else None
 
     def _use(self, planned: _Planned) -> None:
         if planned is not self._current:
@@ -407,3 +407,21 @@ def compile(model: nn.Module, example_input: Any, mem_limit: int | str, *, plann
     compiled._wrapper = wrapper  # it runs inside the wrapper's forward: its plans count the wrapper's buckets
     compiled._prepare(args, kwargs)
     return compiled if wrapper is None else distributed.CompiledDDP(wrapper, compiled)
+
+
+def _weak_node(node: Any) -> weakref.ref | None:
+    """A weak reference to ``node``, an output's ``grad_fn``, or where autograd's C++ nodes take
+    none (a view of another output, replayed outside the graph: ``SliceBackward0``), to the
+    first node behind it that does (the compiled graph's backward); None if there is none."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop(0)
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        try:
+            return weakref.ref(n)
+        except TypeError:
+            todo.extend(f for f, _ in n.next_functions)
+    return None
+

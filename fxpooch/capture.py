@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,12 +145,17 @@ def _boxed(pair: GraphPair, backward: bool) -> Callable[[list[Any]], Any]:
     return call
 
 
-def save_all_primals(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int) -> None:
-    """Also hand every differentiable input of the forward (the parameters) to the backward.
+def save_all_primals(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: int,
+                     static: Sequence[int] | None = None) -> None:
+    """Also hand every differentiable input of the forward that lives the whole step (the
+    parameters: ``static``, AOTAutograd's static-lifetime input indices, where it gives them) to
+    the backward.
 
     They are resident anyway, so this costs no memory, and it lets the backward recompute
     activations from them. Inputs without a gradient (BatchNorm's running statistics, which
-    the step mutates) are left out: autograd would reject them as modified saved tensors.
+    the step mutates) are left out: autograd would reject them as modified saved tensors; so are
+    the other inputs, such as an earlier graph's output after a graph break, which the step may
+    mutate in place too (``F.relu(h, inplace=True)``) and which would not be free to hold.
     Added after the saved tensors, before saved symints (AOTAutograd's order for both the
     forward's outputs and the backward's placeholders).
     """
@@ -165,8 +170,10 @@ def save_all_primals(fw: fx.GraphModule, bw: fx.GraphModule, num_user_outputs: i
     primals = fw.graph.find_nodes(op="placeholder")
     if len(grads) != len(primals):
         return
-    extra = [p for p, g in zip(primals, grads)
-             if g is not None and p not in have and isinstance(p.meta.get("val"), torch.Tensor) and p.users]
+    resident = range(len(primals)) if static is None else set(static)
+    extra = [p for i, (p, g) in enumerate(zip(primals, grads))
+             if g is not None and i in resident and p not in have and isinstance(p.meta.get("val"), torch.Tensor)
+             and p.users]
     if not extra:
         return
     cut = num_user_outputs + n_tensors
@@ -222,7 +229,7 @@ class Recorder:
 
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         fw, bw = compat.default_partition(joint, joint_inputs, **kwargs)
-        save_all_primals(fw, bw, kwargs["num_fwd_outputs"])
+        save_all_primals(fw, bw, kwargs["num_fwd_outputs"], kwargs.get("static_lifetime_input_indices"))
         pair = GraphPair(len(self.pairs), fw, bw, kwargs["num_fwd_outputs"], on_run=self.on_run,
                          runtime=self._runtime, after_backward=self.after_backward)
         # the index, not the pair: AOTAutograd deep-copies the backward module (meta included)

@@ -131,3 +131,56 @@ def test_infeasible_limit_names_the_floor():
     assert f"({floor} bytes)" in str(err)
     _, _, cm = compile_zoo("mlp", floor)  # the floor itself is feasible
     assert cm.plan.peak_bytes <= floor
+
+
+class _BreakAfterAttention(torch.nn.Module):
+    """tanh(Linear), a softmax attention of it over itself, a graph break, then Linear and ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(128, 128), torch.nn.Linear(128, 128)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = (h @ h.transpose(-2, -1)).softmax(dim=-1) @ h
+        torch._dynamo.graph_break()
+        return self.b(h).relu()
+
+
+@pytest.mark.xfail(strict=True, reason="known over-count: the gradient the second graph's backward returns "
+                   "for its input (an output, held to the step's end) is the first backward's incoming "
+                   "gradient, counted again and held for its whole call; autograd frees it after its last reader")
+def test_a_graph_break_is_planned_at_the_peak_the_counter_sees():
+    torch.manual_seed(0)
+    model, x = _BreakAfterAttention(), torch.randn(8, 256, 128)  # 1 MiB activations
+    cm = fxpooch.compile(model, x, "1TiB", planner="in-core", profile="analytic", hardware="v100-pcie3")
+    assert measured_step_peak(cm, (x,), cm.plan.graph.resident_bytes) == cm.plan.static_peak_bytes  # 2 MiB under
+
+
+class _DropoutAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.v, self.o = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256), torch.nn.Linear(256, 16)
+
+    def forward(self, x):
+        s = (self.l(x) @ x.t()).softmax(-1)  # (2048, 2048): 16 MiB, its dropout mask 4 MiB
+        return self.o(torch.tanh(torch.nn.functional.dropout(s, 0.1, True) @ self.v(x)))
+
+
+@pytest.mark.xfail(strict=True, reason="known over-count: a dropout output rebuilt from its mask is charged "
+                   "a new mask as well (both outputs of native_dropout), though the rebuild makes the output only")
+def test_a_dropout_rebuilt_from_its_mask_is_planned_at_the_peak_the_counter_sees():
+    from fxpooch.planners import Evaluator
+    from fxpooch.schedule import Decision
+
+    def planner(problem):  # keep the softmax, recompute the dropout output, keep the rest but tanh
+        names = [a.name for a in problem.graph.activations]
+        decisions = [Decision.RECOMPUTE if n in ("getitem", "tanh") else Decision.KEEP for n in names]
+        assert names == ["detach", "getitem", "getitem_1", "addmm_1", "tanh"], names
+        return Evaluator(problem).evaluate(tuple(decisions), early_prefetch=False, share=True)
+
+    torch.manual_seed(0)
+    model, x = _DropoutAttention(), torch.randn(2048, 256)
+    cm = fxpooch.compile(model, x, "1TiB", planner=planner, profile="analytic", hardware="v100-pcie3")
+    torch.manual_seed(0)
+    assert measured_step_peak(cm, (x,), cm.plan.graph.resident_bytes) == cm.plan.static_peak_bytes  # 4 MiB under

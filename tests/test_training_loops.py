@@ -50,9 +50,10 @@ CPU_TIMER = "cpu-thread-time" if ProfileOptions().thread_clock() else "cpu-timer
 
 # -- models ------------------------------------------------------------------------------------
 class Chain(nn.Module):
-    """``layers`` x (Linear, ReLU); optional graph break, custom Function, views/in-place/scatter."""
+    """``layers`` x (Linear, ReLU); optional graph break (``"in_place"``: the second graph starts
+    with an in-place op on the first one's output), custom Function, views/in-place/scatter."""
 
-    def __init__(self, layers: int = 12, graph_break: bool = False, custom: bool = False, views: bool = False,
+    def __init__(self, layers: int = 12, graph_break: bool | str = False, custom: bool = False, views: bool = False,
                  width: int = WIDTH):
         super().__init__()
         self.net = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())])
@@ -60,9 +61,14 @@ class Chain(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         half = len(self.net) // 2
-        h = self.net[:half](x)
-        if self.graph_break:
+        if self.graph_break == "in_place":  # the first half's last ReLU in the second graph, in place
+            h = self.net[:half - 1](x)
             torch._dynamo.graph_break()
+            h = F.relu(h, inplace=True)
+        else:
+            h = self.net[:half](x)
+            if self.graph_break:
+                torch._dynamo.graph_break()
         if self.custom:
             h = ScaledTanh.apply(h)
         if self.views:
@@ -212,6 +218,7 @@ SCENARIOS = {
     "grad_accumulation": Scenario(lambda: (Chain(32), (rand(1536, WIDTH),)), steps=3, accumulate=3),
     # what already worked
     "graph_break": Scenario(lambda: (Chain(16, graph_break=True), (rand(BATCH, WIDTH),))),
+    "graph_break_in_place": Scenario(lambda: (Chain(16, graph_break="in_place"), (rand(BATCH, WIDTH),))),
     "siamese": Scenario(lambda: (Siamese(), (rand(BATCH, WIDTH), rand(BATCH, WIDTH)))),
     "custom_function": Scenario(lambda: (Chain(custom=True), (rand(BATCH, WIDTH),))),
     "views_inplace_scatter": Scenario(lambda: (Chain(views=True), (rand(BATCH, WIDTH),))),
@@ -408,6 +415,63 @@ def test_two_forwards_before_one_backward_raise_and_say_what_to_do():
     model.zero_grad(set_to_none=True)
     cm(a)
     cm(b).sum().backward()
+
+
+class WithItsView(nn.Module):
+    """Returns an output and a view of it: AOTAutograd replays the view outside the graph, so its
+    ``grad_fn`` is one of autograd's C++ nodes (``SliceBackward0``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Chain(4)
+
+    def forward(self, x):
+        y = self.net(x)
+        return y, y[:, :8]
+
+
+def test_an_output_and_a_view_of_it_train_as_in_eager():
+    model, x = WithItsView(), rand(BATCH, WIDTH)
+    eager = copy.deepcopy(model)
+    in_core = fxpooch.plan(model, x, "1TiB", planner="in-core", **ANALYTIC).in_core_peak_bytes
+    with pytest.raises(fxpooch.InfeasibleMemoryLimit) as info:
+        fxpooch.compile(model, x, 1, **ANALYTIC)
+    cm = fxpooch.compile(model, x, (info.value.min_feasible_bytes + in_core) // 2, **ANALYTIC)
+    assert cm.plan.counts()["keep"] < len(cm.plan.graph.activations)  # out of core
+    for m in (cm, eager):
+        y, head = m(x)
+        if m is cm:
+            with pytest.raises(TypeError):  # the case: no weak reference to the view's grad_fn
+                weakref.ref(head.grad_fn)
+        (y.square().mean() + head.sum()).backward()
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"grad of {n}: {m}")
+    _, head = cm(x)  # only the view kept: its graph's backward is still to run
+    with pytest.raises(fxpooch.PendingBackward):
+        cm(x)
+    head.sum().backward()
+
+
+class ScalesItsInput(Chain):
+    """Doubles its input in place first (an input that requires grad: not a parameter)."""
+
+    def forward(self, x):
+        x.mul_(2)
+        return super().forward(x)
+
+
+def test_an_input_the_step_mutates_in_place_trains_as_in_eager():
+    model, leaf = ScalesItsInput(4), rand(BATCH, WIDTH).requires_grad_()
+    eager = copy.deepcopy(model)
+    cm = fxpooch.compile(model, leaf * 1.0, "1TiB", **ANALYTIC)
+    grads = []
+    for m in (cm, eager):
+        leaf.grad = None
+        m(leaf * 1.0).square().mean().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_the_inspected_backward_graph_is_the_one_that_runs():
