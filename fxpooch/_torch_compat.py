@@ -60,6 +60,12 @@ def default_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -
     return _default(joint, joint_inputs, **kwargs)
 
 
+def static_input_indices(partition_kwargs: dict[str, Any]) -> Sequence[int] | None:
+    """The forward's inputs that live the whole step (parameters, buffers), as AOTAutograd tells
+    a partition function (``static_lifetime_input_indices``); None where it does not."""
+    return partition_kwargs.get("static_lifetime_input_indices")
+
+
 def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], is_backward: bool,
                      fixed_outputs: Sequence[int] | None = None) -> tuple[Callable[[list[Any]], Any], list[Any]]:
     """``gm`` (an AOTAutograd forward or backward graph, its placeholders' ``meta["val"]`` fake
