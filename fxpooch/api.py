@@ -424,4 +424,3 @@ def _weak_node(node: Any) -> weakref.ref | None:
         except TypeError:
             todo.extend(f for f, _ in n.next_functions)
     return None
-
