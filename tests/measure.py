@@ -41,13 +41,15 @@ def counting_graphs(counter: LiveStorageCounter) -> Iterator[list[str]]:
 
 
 def measured_step_peak(compiled, args: tuple, resident: int) -> int:
-    """Peak device bytes of one forward + backward(ones) of ``compiled``, resident included."""
+    """Peak device bytes of one forward + backward(ones) of ``compiled`` (ones for each output of a
+    tuple), resident included."""
     counter = LiveStorageCounter(host_ops=HOST_OPS)
     with counting_graphs(counter) as ran:
         out = compiled(*args)
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         with counter:
-            grad = torch.ones_like(out)
-        out.backward(grad)
+            grads = [torch.ones_like(o) for o in outs]
+        torch.autograd.backward(outs, grads)
     assert any(r.startswith("forward") for r in ran) and any(r.startswith("backward") for r in ran), ran
     return resident + counter.peak_bytes
 

@@ -184,3 +184,22 @@ def test_a_dropout_rebuilt_from_its_mask_is_planned_at_the_peak_the_counter_sees
     cm = fxpooch.compile(model, x, "1TiB", planner=planner, profile="analytic", hardware="v100-pcie3")
     torch.manual_seed(0)
     assert measured_step_peak(cm, (x,), cm.plan.graph.resident_bytes) == cm.plan.static_peak_bytes  # 4 MiB under
+
+
+class _WithAView(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        y = self.b(torch.nn.functional.gelu(self.a(x)))
+        return y, y[:, :64]
+
+
+@pytest.mark.xfail(strict=True, reason="known under-count: an output returned with a view of it is one graph "
+                   "output, the view replayed outside the graph; the view's incoming gradient is not counted")
+def test_an_output_and_a_view_of_it_are_planned_at_the_peak_the_counter_sees():
+    torch.manual_seed(0)
+    model, x = _WithAView(), torch.randn(1024, 256)  # y 1 MiB, its view's gradient 256 KiB
+    cm = fxpooch.compile(model, x, "1TiB", planner="in-core", profile="analytic", hardware="v100-pcie3")
+    assert measured_step_peak(cm, (x,), cm.plan.graph.resident_bytes) == cm.plan.static_peak_bytes  # 256 KiB over
