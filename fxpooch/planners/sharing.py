@@ -5,10 +5,10 @@ readers come (checkpointing's rule); an unshared one reruns every chain alone an
 no longer than its readers need. Near the floor the shared schedule is often over the limit at a
 few instructions only, where copies are held for sharing, while the unshared one fits and pays
 every rerun. :func:`partly_shared` keeps sharing everywhere but where it costs the peak: it sets
-apart (``plan_recomputes(apart=...)``) a copy held for sharing at the program-order peak (each
-of the least sets that takes: :func:`least_closures`), and again at the next peak, until the
-plan fits, no copy is held there or :data:`MAX_TRIALS` memories were computed. ``Evaluator.evaluate`` tries it where the unshared
-schedule fits and the shared one does not.
+apart (``plan_recomputes(apart=...)``) the copies held for sharing at the program-order peak
+(trying the least sets that takes: :func:`least_closures`), and again at the next peak, until
+the plan fits, no copy is held there or :data:`MAX_TRIALS` memories were computed.
+``Evaluator.evaluate`` tries it where the unshared schedule fits and the shared one does not.
 
 Example: copies of activations 4 and 7, held from instructions 10 and 20 (rebuilt by earlier
 chains) though their readers need them from 25 and 35 on:
