@@ -66,6 +66,32 @@ def static_input_indices(partition_kwargs: dict[str, Any]) -> Sequence[int] | No
     return partition_kwargs.get("static_lifetime_input_indices")
 
 
+def returned_views(num_user_outputs: int) -> tuple[tuple[int, int | None, bool], ...] | None:
+    """Inside an AOTAutograd forward compiler: the outputs the caller gets a gradient for that have no
+    tangent (views AOTAutograd makes outside the graph, ``return y, y[:, :64]``; an input returned),
+    each with its base (``y``; None: an input) and whether the caller sees that base too, as positions
+    among the forward graph's ``num_user_outputs`` first outputs (mutated inputs, the caller's outputs,
+    then the bases it does not see); None where AOTAutograd does not tell, or lays its outputs out
+    otherwise."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+    from torch._guards import TracingContext
+
+    meta = getattr(TracingContext.try_get(), "fw_metadata", None)
+    try:
+        first, infos = meta.num_mutated_inp_runtime_indices, meta.output_info
+        if first + len(infos) + meta.num_intermediate_bases != num_user_outputs:
+            return None
+    except AttributeError:
+        return None
+    base_at = {OutputType.alias_of_intermediate: first + len(infos),
+               OutputType.alias_of_intermediate_save_as_output: first + len(infos),
+               OutputType.alias_of_intermediate_base_is_user_output: first}
+    traced = (OutputType.non_alias, OutputType.unsafe_view_alias, OutputType.custom_function_view)
+    return tuple((first + i, base_at[o.output_type] + o.base_idx if o.output_type in base_at else None,
+                  base_at.get(o.output_type) == first)
+                 for i, o in enumerate(infos) if o.requires_grad and o.output_type not in traced)
+
+
 def inductor_compile(gm: fx.GraphModule, example_inputs: list[Any], is_backward: bool,
                      fixed_outputs: Sequence[int] | None = None) -> tuple[Callable[[list[Any]], Any], list[Any]]:
     """``gm`` (an AOTAutograd forward or backward graph, its placeholders' ``meta["val"]`` fake

@@ -49,6 +49,9 @@ class GraphPair:
     runtime: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext, repr=False)
     #: called after each backward call
     after_backward: Callable[[GraphPair], None] | None = field(default=None, repr=False)
+    #: the returned views without a tangent and their bases, as positions among the user outputs
+    #: (:func:`fxpooch._torch_compat.returned_views`); None: not known (set when the forward is compiled)
+    returned_views: tuple[tuple[int, int | None], ...] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.bind(_boxed_copy(self.forward), _boxed_copy(self.backward))
@@ -252,6 +255,8 @@ class Recorder:
             # grad disabled (no_grad / inference_mode): AOTAutograd compiled an inference graph
             # without a partition. Nothing is saved for a backward, so there is nothing to plan.
             return gm if self.inference is None else self.inference(gm, list(example_inputs))
+        pair = self.pairs[index]
+        pair.returned_views = compat.returned_views(pair.num_user_outputs)
         return _boxed(self.pairs[index], backward=False)
 
     def _bw_compiler(self, gm: fx.GraphModule, example_inputs: Any):

@@ -22,6 +22,8 @@ from .capture import GraphPair
 from .opkind import is_kernel_free
 from .memory import MemoryModel
 from .recompute import recomputable, recompute_inputs
+from .tangents import beside_tangents, span
+from .tangents import node_tensors as _vals
 
 
 class Phase(str, enum.Enum):
@@ -168,12 +170,6 @@ class NodeTable:
     op_of: dict[fx.Node, int]
 
 
-def _vals(node: fx.Node) -> list[torch.Tensor]:
-    """The tensors a node's value holds, nested ones included (a higher-order op such as
-    ``run_with_rng_state`` returns its op's outputs as a tuple inside its own)."""
-    return [v for v in compat.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
-
-
 def _target_name(node: fx.Node) -> str:
     if node.op != "call_function":
         return node.op
@@ -268,9 +264,10 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                     key_to_buf[k] = next((b for b in allocated_on.get(k, ()) if b in read), None)
                     if key_to_buf[k] is None:
                         del key_to_buf[k]
-            if k not in key_to_buf:
+            if k not in key_to_buf or node.op == "placeholder" and phase is Phase.BACKWARD:  # each tangent its own
                 key_to_buf[k] = len(buffers)
-                nbytes = 0 if kind is BufferKind.RESIDENT else memory.storage_bytes(v)
+                nbytes = 0 if kind is BufferKind.RESIDENT else memory.storage_bytes(v) if node.op != "placeholder" \
+                    or phase is Phase.FORWARD else memory.round(span(v) * v.element_size())  # a tangent's layout
                 buffers.append(Buffer(node.name, nbytes, kind))
                 allocs.append(key_to_buf[k])
                 producer[key_to_buf[k]] = len(ops)
@@ -288,6 +285,7 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                       recomputable(node), differentiable))
         buffer_of.append(tuple(dict.fromkeys(spans)))
 
+    beside: list[tuple[list[Buffer], list[Buffer]]] = []  # per pair: held and transient, when the outputs are held
     for g, pair in enumerate(pairs):
         key_to_buf: dict[int, int] = {}
         keys.append(key_to_buf)
@@ -317,6 +315,9 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                     held = outputs_held or loss or b in saved_bufs
                     kind = BufferKind.OUTPUT if held else BufferKind.RETURNED
                     buffers[b] = Buffer(buffers[b].name, buffers[b].nbytes, kind)
+        held, transient = beside_tangents(pair, memory) if outputs_held else ([], [])
+        beside.append(([Buffer(n, b, BufferKind.TANGENT) for n, b in held],
+                       [Buffer(n, b, BufferKind.TEMP) for n, b in transient]))
         # activations: saved storages that the forward allocated
         by_buffer: dict[int, list[int]] = {}
         for n in pair.saved_nodes:
@@ -339,6 +340,7 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
         pair, key_to_buf = pairs[g], keys[g]
         bw_placeholders = [n for n in pair.backward.graph.nodes if n.op == "placeholder"]
         saved_nodes = pair.saved_nodes
+        last_tangent = bw_placeholders[-1] if len(bw_placeholders) > len(saved_nodes) else None
         start = len(ops)
         for node in pair.backward.graph.nodes:
             if node.op == "output":
@@ -353,10 +355,21 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                 op_of[node] = op_of[saved_nodes[bw_placeholders.index(node)]]
                 continue
             # an incoming gradient: held by whoever passed it for the whole backward call; when the caller
-            # drops the outputs, each but the loss's is autograd's zeros, freed after its last reader
+            # drops the outputs, each but the loss's is autograd's zeros, freed after its last reader. One
+            # traced with gaps (``y[:, :64]``, a split) is AOTAutograd's copy of the caller's, in that layout
+            # (``empty_strided``: its whole span), freed after its last reader; the caller's is held beside.
             held = outputs_held or any(v.dim() == 0 for v in _vals(node))
-            kind = BufferKind.TANGENT if node.op == "placeholder" and held else BufferKind.TEMP
+            gaps = node.op == "placeholder" and not all(map(_is_dense, _vals(node)))
+            kind = BufferKind.TANGENT if node.op == "placeholder" and held and not gaps else BufferKind.TEMP
             add_op(node, g, Phase.BACKWARD, key_to_buf, kind)
+            if gaps and held:
+                beside[g][0].extend(Buffer(f"grad_{node.name}", memory.tensor_bytes(v), BufferKind.TANGENT)
+                                        for v in _vals(node))
+            if node is last_tangent:  # the caller's gradients beside the tangents, allocated with them
+                extra = tuple(range(len(buffers), len(buffers) + sum(map(len, beside[g]))))
+                buffers.extend(beside[g][0] + beside[g][1])
+                producer.update(dict.fromkeys(extra, len(ops) - 1))
+                ops[-1] = dataclasses.replace(ops[-1], allocs=ops[-1].allocs + extra)
         bw_range[g] = (start, len(ops))
 
     graph = StepGraph(

@@ -1,8 +1,9 @@
 """Measure a compiled step's device-memory peak independently of the planner.
 
 Dynamo runs a model eagerly while a TorchDispatchMode is active, so the counter is entered
-around each captured graph's execution instead (and around the creation of the incoming
-gradient), which observes the storages the executed ops really create.
+around each captured graph's execution instead, and around the whole backward (the incoming
+gradients, and what autograd itself runs between the graphs: a returned view's backward, the sum
+of gradients), which observes the storages the executed ops really create.
 """
 from __future__ import annotations
 
@@ -42,14 +43,14 @@ def counting_graphs(counter: LiveStorageCounter) -> Iterator[list[str]]:
 
 def measured_step_peak(compiled, args: tuple, resident: int) -> int:
     """Peak device bytes of one forward + backward(ones) of ``compiled`` (ones for each output of a
-    tuple), resident included."""
+    tuple, held by the caller through the backward), resident included."""
     counter = LiveStorageCounter(host_ops=HOST_OPS)
     with counting_graphs(counter) as ran:
         out = compiled(*args)
         outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         with counter:
             grads = [torch.ones_like(o) for o in outs]
-        torch.autograd.backward(outs, grads)
+            torch.autograd.backward(outs, grads)
     assert any(r.startswith("forward") for r in ran) and any(r.startswith("backward") for r in ran), ran
     return resident + counter.peak_bytes
 

@@ -18,7 +18,7 @@ STAGES: list[tuple[str, set[str]]] = [
     ("base", {"errors", "bytesize", "units", "_torch_compat", "progress", "debug", "models", "models.inputs", "models.vision",
               "models.video", "models.gpt", "types"}),
     ("capture", {"capture", "recompute", "opkind", "memory"}),
-    ("graph", {"graph"}),
+    ("graph", {"graph", "tangents"}),
     ("costs", {"hardware", "costmodel", "profile", "scratch", "timing", "calibrate", "limits"}),
     ("schedule", {"segments", "schedule", "footprint", "simulator"}),
     ("planners", {"planners", "planners.registry", "planners.common", "planners.prefetch", "planners.sharing", "planners.lp", "planners.lpmodel", "planners.probing", "planners.floor", "planners.chains", "planners.issue_order", "planners.milp", "planners.baselines",
