@@ -51,7 +51,10 @@ class GraphPair:
     after_backward: Callable[[GraphPair], None] | None = field(default=None, repr=False)
     #: the returned views without a tangent and their bases, as positions among the user outputs
     #: (:func:`fxpooch._torch_compat.returned_views`); None: not known (set when the forward is compiled)
-    returned_views: tuple[tuple[int, int | None], ...] | None = field(default=None, init=False)
+    returned_views: tuple[tuple[int, int | None, bool], ...] | None = field(default=None, init=False)
+    #: the forward's inputs whose gradient autograd passes on to what made them (an earlier graph's
+    #: output after a graph break: an input that requires grad and is no leaf); set when captured
+    passed_on: frozenset[int] = field(default=frozenset(), init=False)
 
     def __post_init__(self) -> None:
         self.bind(_boxed_copy(self.forward), _boxed_copy(self.backward))
@@ -271,6 +274,8 @@ class Recorder:
             raise _repeated_graph_error(pair)
         self.ran.append(pair)
         self.args.append(list(args))
+        pair.passed_on = frozenset(i for i, a in enumerate(args)
+                                   if isinstance(a, torch.Tensor) and a.requires_grad and not a.is_leaf)
         return FrugalForward(pair)
 
     def _check_planned(self, pair: GraphPair) -> None:

@@ -44,9 +44,10 @@ class BufferKind(str, enum.Enum):
     #: whole backward call (a gradient AOTAutograd has to copy to the traced layout, e.g. the
     #: expanded one of ``out.sum()``, dies at its last reader instead: again only lower)
     TANGENT = "tangent"
-    #: a gradient a backward graph returns, when FSDP shards the model (``build_step_graph(gradients_reduced=
-    #: True)``): held until its backward call returns, then reduce-scattered and freed (a parameter's), or
-    #: passed on as the earlier graph's incoming gradient (an input's; counted there as a TANGENT)
+    #: a gradient a backward graph returns that does not stay to the step's end: held until its backward
+    #: call returns, then reduce-scattered and freed (a parameter's, when FSDP shards the model:
+    #: ``build_step_graph(gradients_reduced=True)``), or passed on as the incoming gradient of the graph
+    #: before a graph break (its input's; counted there again, as a TANGENT)
     REDUCED = "reduced"
 
 
@@ -344,11 +345,14 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
         start = len(ops)
         for node in pair.backward.graph.nodes:
             if node.op == "output":
-                returned = BufferKind.REDUCED if gradients_reduced else BufferKind.OUTPUT
-                for n in node.all_input_nodes:  # gradients live until the step ends (or the call returns)
-                    for b in buffer_of[op_of[n]]:
+                # gradients live until the step ends (or the call returns: FSDP's, and an input's that
+                # autograd passes on to the graph that made it, counted there as its incoming gradient)
+                for i, n in enumerate(node.args[0]):
+                    reduced = gradients_reduced or i in pair.passed_on
+                    for b in buffer_of[op_of[n]] if isinstance(n, fx.Node) else ():
                         if buffers[b].kind is BufferKind.TEMP:
-                            buffers[b] = Buffer(buffers[b].name, buffers[b].nbytes, returned)
+                            kind = BufferKind.REDUCED if reduced else BufferKind.OUTPUT
+                            buffers[b] = Buffer(buffers[b].name, buffers[b].nbytes, kind)
                 continue
             if node.op == "placeholder" and bw_placeholders.index(node) < len(saved_nodes):
                 # a saved value: the same value the forward produced
