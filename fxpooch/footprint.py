@@ -282,7 +282,7 @@ def _summary(t: _Tables, graph: StepGraph, b: int, chain: tuple[int, ...], mater
     alloc: dict[int, int] = {}  # a kept buffer -> where the chain allocates its copy
     read: dict[int, int] = {}  # a buffer the chain reads through the view -> its last reader
     for i, o in enumerate(chain):  # every allocation first: a read sees the chain's own copy
-        for buf in graph.dynamic_allocs[o]:
+        for buf in graph.recompute_allocs[o]:
             if buf in kept:
                 alloc.setdefault(buf, i)
             elif buf not in own:

@@ -128,6 +128,13 @@ class StepGraph:
                      for op in self.ops)
 
     @functools.cached_property
+    def recompute_allocs(self) -> tuple[tuple[int, ...], ...]:
+        """Per op: the buffers its recomputation allocates, its :attr:`dynamic_allocs` but those it
+        reads (a dropout rebuilt from its mask makes its output, not the mask it reads)."""
+        return tuple(tuple(b for b in allocs if b not in reads)
+                     for allocs, reads in zip(self.dynamic_allocs, self.recompute_read_buffers))
+
+    @functools.cached_property
     def read_buffers(self) -> tuple[tuple[int, ...], ...]:
         """Per op: the non-resident buffers its arguments span, first seen first."""
         return tuple(self._spanned(op.args) for op in self.ops)

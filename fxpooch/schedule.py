@@ -175,12 +175,12 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
             last[x] = i
 
     buffer_bytes = per_graph(graph, _buffer_columns)[0]
-    recompute_reads = graph.recompute_read_buffers
+    recompute_reads, recompute_allocs = graph.recompute_read_buffers, graph.recompute_allocs
 
     def chain_reads(b: int) -> set[int]:
         """The buffers ``b``'s chain reads and does not make itself."""
         return ({buf for o in chains[b] for buf in recompute_reads[o]}
-                - {buf for o in chains[b] for buf in allocs[o]})
+                - {buf for o in chains[b] for buf in recompute_allocs[o]})
 
     def recompute_instrs(b: int) -> None:
         """The chain's own buffers are fresh copies tagged with ``b``; other reads see ``view``.
@@ -191,7 +191,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         fresh: list[int] = []  # the buffers copied, in instance order
         n = len(inst_bytes)
         for o in chain:
-            for buf in allocs[o]:
+            for buf in recompute_allocs[o]:
                 if buf in kept:
                     own[buf] = view[buf]
                 elif buf not in own:
@@ -205,7 +205,7 @@ def build_schedule(graph: StepGraph, decisions: Sequence[Decision],
         sees, owned, seen = own.get, own.__getitem__, view.__getitem__  # mapped: no comprehension frames
         i = len(instrs)
         for o in chain:
-            new = tuple(map(owned, allocs[o]))
+            new = tuple(map(owned, recompute_allocs[o]))
             read = recompute_reads[o]
             read = tuple(map(sees, read, map(seen, read)))
             instrs.append(make_instr(Instr, (RECOMPUTE, o, b, new, read)))

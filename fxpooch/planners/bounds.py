@@ -268,7 +268,7 @@ class Bounds:
         live: dict[int, int] = {}
         best, at = 0, act.producer
         for o in chain:
-            live.update((b, graph.buffers[b].nbytes) for b in graph.dynamic_allocs[o] if b not in stored)
+            live.update((b, graph.buffers[b].nbytes) for b in graph.recompute_allocs[o] if b not in stored)
             held = sum(live.values())
             if held > best:
                 best, at = held, o
