@@ -150,9 +150,10 @@ class _BreakAfterAttention(torch.nn.Module):
 
 
 def test_a_graph_break_is_planned_at_the_peak_the_counter_sees_but_one_gradient():
-    """Known over-count: the gradient the second graph's backward returns for its input is the
-    first backward's incoming gradient, counted held for that whole call; autograd frees it after
-    its last reader (1 MiB high). The second call holds it until it returns, not to the step's end."""
+    """Known over-count: the first graph's output, the second graph's input, is counted held by the
+    caller to the step's end; the second graph saves it, and it is freed with the second backward's
+    saved values (1 MiB high, in the first backward). The gradient the second backward returns for
+    that input, the first backward's incoming gradient, is held until that call returns."""
     torch.manual_seed(0)
     model, x = _BreakAfterAttention(), torch.randn(8, 256, 128)  # 1 MiB activations
     cm = fxpooch.compile(model, x, "1TiB", planner="in-core", profile="analytic", hardware="v100-pcie3")
