@@ -145,9 +145,11 @@ class Runner:
         self.queue: list[tuple[tuple, tuple]] = []
         self.running: dict[tuple, tuple] = {}  # key -> (process, conn, started)
         self.results: dict[tuple, dict] = {}
+        self.submitted: list[tuple] = []  # the keys in the order asked, for a JSON that diffs
 
     def submit(self, key: tuple, step: TracedStep, profile: Profile, limit: int, planner: str) -> None:
         self.queue.append((key, (step, profile, limit, planner)))
+        self.submitted.append(key)
         self.poll()
 
     def poll(self) -> None:
@@ -203,8 +205,8 @@ def run(quick: bool, workers: int, timeout: float) -> dict:
         log.info("captured %s in %.1f s (%d ops)", point.label, info["capture_s"], info["ops"])
         runner.poll()
     runner.drain()
-    results = [{"point": label, "preset": preset, "planner": planner, **res}
-               for (label, preset, planner), res in runner.results.items()]
+    results = [{"point": label, "preset": preset, "planner": planner, **runner.results[(label, preset, planner)]}
+               for label, preset, planner in runner.submitted]
     return {"simulated": True, "cost_model": "analytic (roofline of the hardware preset)",
             "quick": quick, "presets": {p: {"mem_limit_bytes": limit[p], "link": get_hardware(p).link.name}
                                         for p in PRESETS},
