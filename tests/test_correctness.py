@@ -160,6 +160,33 @@ def test_a_graph_break_is_planned_at_the_peak_the_counter_sees_but_one_gradient(
     assert measured_step_peak(cm, (x,), cm.plan.graph.resident_bytes) == cm.plan.static_peak_bytes - MiB
 
 
+class _DetachedAfterBreak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(256, 256) for _ in range(3))
+
+    def forward(self, x):
+        a, b = torch.tanh(self.a(x)), torch.tanh(self.b(x))
+        torch._dynamo.graph_break()
+        return self.c(a), b.detach()
+
+
+def test_a_parameter_that_reaches_only_a_detached_output_gets_torch_compiles_zero_gradient():
+    """README, "Limits worth knowing": ``b`` is the first graph's output and is detached after the
+    break, so eager leaves ``self.b``'s gradient None; AOTAutograd's backward of that graph returns
+    zeros for it, under torch.compile and fxpooch alike."""
+    torch.manual_seed(0)
+    model, x = _DetachedAfterBreak(), torch.randn(1024, 256)
+    eager, peer = copy.deepcopy(model), copy.deepcopy(model)
+    cm = fxpooch.compile(model, x, "1TiB", profile="analytic", hardware="v100-pcie3")
+    for m in (cm, eager, torch.compile(peer, backend="aot_eager")):
+        m(x)[0].sum().backward()
+    assert eager.b.weight.grad is None
+    assert torch.equal(model.b.weight.grad, torch.zeros_like(model.b.weight))
+    assert torch.equal(model.b.weight.grad, peer.b.weight.grad)
+    torch.testing.assert_close(model.a.weight.grad, eager.a.weight.grad, rtol=RTOL, atol=ATOL)
+
+
 class _DropoutAttention(torch.nn.Module):
     def __init__(self):
         super().__init__()
