@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,12 @@ class GraphPair:
     #: the forward's inputs whose gradient autograd passes on to what made them (an earlier graph's
     #: output after a graph break: an input that requires grad and is no leaf); set when captured
     passed_on: frozenset[int] = field(default=frozenset(), init=False)
+    #: the user outputs the caller gets from the model, as positions, once per time it gets each (dynamo
+    #: may return one twice); set when captured
+    to_caller: tuple[int, ...] = field(default=(), init=False)
+    #: on the pair that ran last: the leaves (parameters, inputs) the model returns as they are, which
+    #: no graph returns, as meta tensors; set when captured
+    leaves_to_caller: tuple[torch.Tensor, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.bind(_boxed_copy(self.forward), _boxed_copy(self.backward))
@@ -113,6 +120,9 @@ class FrugalForward(fx.Interpreter):
     def __init__(self, pair: GraphPair):
         super().__init__(pair.forward, garbage_collect_values=True)
         outs = pair.forward.graph.output_node().args[0]
+        self.num_user_outputs = pair.num_user_outputs
+        #: the user outputs of the last call, weakly (:func:`note_caller_outputs` finds them in the model's)
+        self.returned: list[weakref.ref | None] = []
         real = {n for n in outs[:pair.num_user_outputs] if isinstance(n, fx.Node)}
         self.stand_in = {n for n in pair.saved_nodes if n not in real and n.op != "placeholder"
                          and isinstance(n.meta.get("val"), torch.Tensor)}
@@ -127,7 +137,10 @@ class FrugalForward(fx.Interpreter):
     def __call__(self, args: list[Any]) -> Any:
         inputs = list(args)
         args.clear()
-        return self.run(*inputs)
+        out = self.run(*inputs)
+        self.returned[:] = [weakref.ref(v) if isinstance(v, torch.Tensor) else None
+                            for v in out[:self.num_user_outputs]]
+        return out
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
@@ -225,6 +238,7 @@ class Recorder:
         self.pairs: list[GraphPair] = []
         self.ran: list[GraphPair] | None = None
         self.args: list[list[Any]] = []  # inputs of each pair in ``ran`` (kept for profiling)
+        self.returned: list[list[weakref.ref | None]] = []  # per pair in ``ran``: its user outputs, weakly
         self.expected: list[GraphPair] | None = None  # the bound plan's pairs, while a step runs
         self.seen: list[GraphPair] = []  # pairs of the running step so far
         self.causes: dict[GraphPair, str] = {}  # why dynamo compiled each pair (its recompile reasons)
@@ -276,7 +290,9 @@ class Recorder:
         self.args.append(list(args))
         pair.passed_on = frozenset(i for i, a in enumerate(args)
                                    if isinstance(a, torch.Tensor) and a.requires_grad and not a.is_leaf)
-        return FrugalForward(pair)
+        runner = FrugalForward(pair)
+        self.returned.append(runner.returned)
+        return runner
 
     def _check_planned(self, pair: GraphPair) -> None:
         position = len(self.seen)
@@ -293,7 +309,8 @@ class Recorder:
     @contextlib.contextmanager
     def recording_step(self) -> Iterator[list[GraphPair]]:
         """Collect, in order, the pairs whose forward runs inside the block (and their inputs)."""
-        self.ran, self.args = ran, _ = [], []
+        ran: list[GraphPair] = []
+        self.ran, self.args, self.returned = ran, [], []
         try:
             yield ran
         except BaseException:
@@ -403,8 +420,30 @@ def capture_step(compiled: Callable[..., Any], recorder: Recorder, model: nn.Mod
         changed_buffers.extend(changed)
     if not ran:
         raise _no_graph_error(out)
+    note_caller_outputs(ran, recorder.returned, out)
     inputs, recorder.args = recorder.args, []
     return list(ran), inputs
+
+
+def note_caller_outputs(ran: Sequence[GraphPair], returned: Sequence[Sequence[weakref.ref | None]], out: Any) -> None:
+    """Set each pair's :attr:`~GraphPair.to_caller` and the last one's
+    :attr:`~GraphPair.leaves_to_caller` from the model's output ``out`` (its tensors that require
+    grad) and what each pair's forward returned (``returned``, weakly, in ``ran``'s order)."""
+    at = {id(r()): (pair, i) for pair, refs in zip(ran, returned) for i, r in enumerate(refs)
+          if r is not None and r() is not None}
+    gets: dict[GraphPair, list[int]] = {pair: [] for pair in ran}
+    leaves = []
+    for t in compat.tree_leaves(out):
+        if not isinstance(t, torch.Tensor) or not t.requires_grad:
+            continue
+        if id(t) in at:
+            pair, i = at[id(t)]
+            gets[pair].append(i)
+        elif t.is_leaf:
+            leaves.append(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"))
+    for pair in ran:
+        pair.to_caller, pair.leaves_to_caller = tuple(gets[pair]), ()
+    ran[-1].leaves_to_caller = tuple(leaves)
 
 
 def _no_graph_error(out: Any) -> Exception:

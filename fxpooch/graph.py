@@ -22,7 +22,7 @@ from .capture import GraphPair
 from .opkind import is_kernel_free
 from .memory import MemoryModel
 from .recompute import recomputable, recompute_inputs
-from .tangents import beside_tangents, span
+from .tangents import beside_tangents, caller_gradients, span
 from .tangents import node_tensors as _vals
 
 
@@ -381,6 +381,12 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                 buffers.extend(beside[g][0] + beside[g][1])
                 producer.update(dict.fromkeys(extra, len(ops) - 1))
                 ops[-1] = dataclasses.replace(ops[-1], allocs=ops[-1].allocs + extra)
+        if g == len(pairs) - 1 and outputs_held and start < len(ops):
+            # the caller's gradients autograd holds from the step's first backward on beside the tangents
+            extra = tuple(range(len(buffers), len(buffers) + len(held := caller_gradients(pairs, memory))))
+            buffers.extend(Buffer(n, b, BufferKind.OUTPUT) for n, b in held)
+            producer.update(dict.fromkeys(extra, start))
+            ops[start] = dataclasses.replace(ops[start], allocs=ops[start].allocs + extra)
         bw_range[g] = (start, len(ops))
 
     graph = StepGraph(

@@ -5,7 +5,9 @@ it makes the view outside the graph, and autograd adds the caller's gradient of 
 the view's backward (a zero-filled gradient of the whole base, for a view of part of it), into a
 gradient of the base, which is the tangent. :func:`beside_tangents` says what that holds beside
 the tangents (the caller's gradients) and for a moment before the call (the sums), for
-:func:`fxpooch.graph.build_step_graph` to count.
+:func:`fxpooch.graph.build_step_graph` to count. Dynamo too returns outputs beside its graphs'
+(one output twice, a parameter as it is); :func:`caller_gradients` says what the caller's
+gradients of those hold.
 """
 from __future__ import annotations
 
@@ -75,3 +77,20 @@ def beside_tangents(pair: GraphPair, memory: MemoryModel) -> tuple[list[tuple[st
     transient = [(f"grad_sum_{base.name}", extra * memory.tensor_bytes(node_tensors(base)[0]))
                  for base, new in arrivals.items() if (extra := accumulation_peak(new))]
     return held, transient
+
+
+def caller_gradients(pairs: Sequence[GraphPair], memory: MemoryModel) -> list[tuple[str, int]]:
+    """(name, bytes) of the caller's gradients that autograd holds from the step's first backward
+    on, beside the tangents: one per time the model returns a graph's output where that gradient is
+    not the tangent itself (an earlier graph's output, whose backward runs later; one returned
+    twice, whose tangent is the sum of the caller's gradients), and one per parameter or input the
+    model returns as it is (:attr:`GraphPair.to_caller`, :attr:`GraphPair.leaves_to_caller`)."""
+    out: list[tuple[str, int]] = []
+    for g, pair in enumerate(pairs):
+        outs = pair.forward.graph.output_node().args[0]
+        for i in sorted(set(pair.to_caller)):
+            times = pair.to_caller.count(i)
+            if g < len(pairs) - 1 or times > 1:
+                out += [(f"grad_{outs[i].name}_{k}", memory.tensor_bytes(node_tensors(outs[i])[0])) for k in range(times)]
+        out += [(f"grad_leaf_{k}", memory.tensor_bytes(t)) for k, t in enumerate(pair.leaves_to_caller)]
+    return out
