@@ -59,6 +59,9 @@ class GraphPair:
     #: the user outputs the caller gets from the model, as positions, once per time it gets each (dynamo
     #: may return one twice); set when captured
     to_caller: tuple[int, ...] = field(default=(), init=False)
+    #: the user outputs a later graph of the step takes as its input, or a view of it (after a graph
+    #: break); set when captured
+    to_later: frozenset[int] = field(default=frozenset(), init=False)
     #: on the pair that ran last: the leaves (parameters, inputs) the model returns as they are, which
     #: no graph returns, as meta tensors; set when captured
     leaves_to_caller: tuple[torch.Tensor, ...] = field(default=(), init=False, repr=False)
@@ -290,6 +293,11 @@ class Recorder:
         self.args.append(list(args))
         pair.passed_on = frozenset(i for i, a in enumerate(args)
                                    if isinstance(a, torch.Tensor) and a.requires_grad and not a.is_leaf)
+        taken = {compat.storage_key(a) for a in args if isinstance(a, torch.Tensor)}  # the storages, views too
+        for earlier, refs in zip(self.ran, self.returned):
+            earlier.to_later |= {i for i, r in enumerate(refs)
+                                 if r is not None and r() is not None and compat.storage_key(r()) in taken}
+        pair.to_later = frozenset()
         runner = FrugalForward(pair)
         self.returned.append(runner.returned)
         return runner

@@ -82,15 +82,17 @@ def beside_tangents(pair: GraphPair, memory: MemoryModel) -> tuple[list[tuple[st
 def caller_gradients(pairs: Sequence[GraphPair], memory: MemoryModel) -> list[tuple[str, int]]:
     """(name, bytes) of the caller's gradients that autograd holds from the step's first backward
     on, beside the tangents: one per time the model returns a graph's output where that gradient is
-    not the tangent itself (an earlier graph's output, whose backward runs later; one returned
-    twice, whose tangent is the sum of the caller's gradients), and one per parameter or input the
-    model returns as it is (:attr:`GraphPair.to_caller`, :attr:`GraphPair.leaves_to_caller`)."""
+    not the tangent itself (an earlier graph's output, whose backward runs later, that no later graph
+    takes: one a later graph takes, as logits taken by a loss, has for its incoming gradient the one
+    that graph passes on; one returned twice, whose tangent is the sum of the caller's gradients),
+    and one per parameter or input the model returns as it is (:attr:`GraphPair.to_caller`,
+    :attr:`GraphPair.to_later`, :attr:`GraphPair.leaves_to_caller`)."""
     out: list[tuple[str, int]] = []
     for g, pair in enumerate(pairs):
         outs = pair.forward.graph.output_node().args[0]
         for i in sorted(set(pair.to_caller)):
             times = pair.to_caller.count(i)
-            if g < len(pairs) - 1 or times > 1:
+            if (g < len(pairs) - 1 and i not in pair.to_later) or times > 1:
                 out += [(f"grad_{outs[i].name}_{k}", memory.tensor_bytes(node_tensors(outs[i])[0])) for k in range(times)]
         out += [(f"grad_leaf_{k}", memory.tensor_bytes(t)) for k, t in enumerate(pair.leaves_to_caller)]
     return out

@@ -188,35 +188,40 @@ def test_a_parameter_that_reaches_only_a_detached_output_gets_torch_compiles_zer
 
 
 class _ReturnedBesideItsGraph(torch.nn.Module):
-    """``y = b(tanh(a(x)))`` (1 MiB) returned as ``outputs(self, y)``, with ``brk``: ``a(x)``'s tanh made
-    before a graph break and returned too."""
+    """``h = tanh(a(x))`` and ``y = b(h * h)`` (1 MiB each) returned as ``outputs(self, h, k, y)``, with
+    ``k = 2h`` made too where ``with_k``; with ``brk``, ``h`` and ``k`` are made before a graph break
+    (the later graph takes ``h``)."""
 
-    def __init__(self, outputs, brk: bool = False):
+    def __init__(self, outputs, brk: bool, with_k: bool):
         super().__init__()
         self.a, self.b = torch.nn.Linear(256, 256), torch.nn.Linear(256, 256)
-        self.outputs, self.brk = outputs, brk
+        self.outputs, self.brk, self.with_k = outputs, brk, with_k
 
     def forward(self, x):
         h = torch.tanh(self.a(x))
+        k = h * 2 if self.with_k else None
         if self.brk:
             torch._dynamo.graph_break()
-        return self.outputs(self, h, self.b(h * h))
+        return self.outputs(self, h, k, self.b(h * h))
 
 
 @pytest.mark.parametrize("case, outputs, brk, held, high", [
     # dynamo returns the graph's one output twice: the caller's two gradients, held; the tangent is
     # autograd's sum of them, counted held too, freed after its last reader
-    ("twice", lambda m, h, y: (y, y), False, {"grad_addmm_1_0": MiB, "grad_addmm_1_1": MiB}, MiB),
-    ("parameter", lambda m, h, y: (y, m.a.weight), False, {"grad_leaf_0": MiB // 4}, 0),  # returned as it is
+    ("twice", lambda m, h, k, y: (y, y), False, {"grad_addmm_1_0": MiB, "grad_addmm_1_1": MiB}, MiB),
+    ("parameter", lambda m, h, k, y: (y, m.a.weight), False, {"grad_leaf_0": MiB // 4}, 0),  # returned as it is
     # the earlier graph's output: its gradient is held from the later graph's backward on
-    ("before a break", lambda m, h, y: (y, h), True, {"grad_tanh_0": MiB}, 0),
-    ("one output", lambda m, h, y: y, True, {}, 0),
+    ("before a break", lambda m, h, k, y: (y, k), True, {"grad_mul_0": MiB}, 0),
+    # one the later graph takes too: its incoming gradient is the one that graph passes on, so the
+    # caller's own is not planned (README, "At the step boundary"): 1 MiB under
+    ("taken after a break", lambda m, h, k, y: (y, h), True, {}, -MiB),
+    ("one output", lambda m, h, k, y: y, True, {}, 0),
 ])
 def test_outputs_dynamo_returns_beside_the_graphs_are_planned_with_their_gradients(case, outputs, brk, held, high):
     """The caller's gradients of what the model returns beyond each graph's outputs (README, "At the
     step boundary"): held from the step's first backward on, as the counter sees them."""
     torch.manual_seed(0)
-    model, x = _ReturnedBesideItsGraph(outputs, brk), torch.randn(1024, 256)
+    model, x = _ReturnedBesideItsGraph(outputs, brk, with_k=case == "before a break"), torch.randn(1024, 256)
     cm = fxpooch.compile(model, x, "1TiB", planner="in-core", profile="analytic", hardware="v100-pcie3")
     graph = cm.plan.graph
     assert {b.name: b.nbytes for b in graph.buffers if b.name.startswith("grad_")} == held
