@@ -230,8 +230,10 @@ def test_outputs_dynamo_returns_beside_the_graphs_are_planned_with_their_gradien
 
 @pytest.mark.xfail(strict=True, reason="counted low: README, training-loop contract, Counted low")
 def test_an_output_made_before_a_break_and_detached_by_the_model_is_planned_at_the_peak_the_counter_sees():
-    """``b`` is the first graph's output and the model returns it detached: the first backward gets
-    autograd's zeros for it. Measured 522,240 B over the plan."""
+    """``b`` is the first graph's output and the model returns it detached: the first graph's backward
+    gets autograd's zeros for it and is the step's peak, where the caller still holds its gradient of
+    the second graph's output, counted only until the second backward returns. Measured 522,240 B
+    over the plan (526,336 B under it with that gradient held to the step's end)."""
     from measure import HOST_OPS, counting_graphs
     from memcount import LiveStorageCounter
 
