@@ -342,9 +342,10 @@ def _repeated_graph_error(pair: GraphPair) -> Exception:
     from .errors import UnsupportedModel
 
     return UnsupportedModel(
-        f"dynamo graph {pair.index} runs twice in one forward (a compiled region called in a "
-        "loop); fxpooch plans each graph once per step. Inline the loop (avoid graph breaks "
-        "inside it) or compile the repeated block instead of the whole model")
+        f"dynamo graph {pair.index} runs twice in one forward (a compiled region called in a loop, or "
+        "a graph break inside a module called more than once: the code after the break is one graph "
+        "for every call); fxpooch plans each graph once per step. Remove the graph break from the "
+        "loop or the repeated module (torch._dynamo.explain(model)(x) lists the breaks)")
 
 
 @contextlib.contextmanager

@@ -248,6 +248,21 @@ def test_an_output_made_before_a_break_and_detached_by_the_model_is_planned_at_t
     assert counter.peak_bytes + cm.plan.graph.resident_bytes <= cm.plan.static_peak_bytes
 
 
+class _BreakInEachBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_BreakAfterAttention() for _ in range(2))
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+def test_a_graph_break_inside_a_module_called_twice_is_refused_with_what_to_do():
+    """Both blocks' code after the break is one dynamo graph, which a step would run twice."""
+    with pytest.raises(fxpooch.UnsupportedModel, match="runs twice in one forward.*module called more than once"):
+        fxpooch.compile(_BreakInEachBlock(), torch.randn(8, 256, 128), "1TiB", profile="analytic")
+
+
 class _DropoutAttention(torch.nn.Module):
     def __init__(self):
         super().__init__()
