@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from . import _torch_compat as compat
 from . import distributed, fsdp, peakcheck
-from .capture import GraphPair, Recorder, StepSnapshot, UnplannedGraph
+from .capture import GraphPair, Recorder, UnplannedGraph
 from .codegen import decompositions
 from .errors import InvalidMemoryLimit, PendingBackward, ReplanLimitExceeded, UnsupportedModel
 from .hardware import Hardware, Link
@@ -27,6 +27,7 @@ from .planners import Planner, resolve_planner
 from .profile import Profile
 from .runtime import HostPool, Runtime
 from .simulator import in_core_peak_bytes
+from .state import StepSnapshot
 from .units import InCoreShare, parse_bytes, parse_limit
 
 log = logging.getLogger("fxpooch.compile")

@@ -36,7 +36,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from . import _torch_compat as compat
 from .bytesize import format_bytes
-from .capture import preserved_state
+from .state import preserved_state
 from .errors import InfeasibleMemoryLimit
 from .memory import Margin
 from .pipeline import replan

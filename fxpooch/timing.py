@@ -28,6 +28,7 @@ from .hardware import Link
 from .profile import Profile, fingerprint
 from .progress import stage
 from .scratch import ScratchMeter, measure_scratch
+from .state import rng_state, set_rng_state
 
 log = logging.getLogger("fxpooch.profile")
 
@@ -198,8 +199,7 @@ def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[l
         mode = choose_mode(graph, in_core_peak, mem_limit, device)
     thread = not on_cuda and options.thread_clock()
     clock = cuda_clock if on_cuda else thread_clock if thread else wall_clock
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    rng = rng_state()
     try:
         if mode == "in-situ":
             samples = _in_situ(table, example_args, device, clock, options.repeats)
@@ -209,9 +209,7 @@ def measure_profile(graph: StepGraph, table: NodeTable, example_args: Sequence[l
             samples = _per_node(table, clock, options.repeats)
             scratch = measure_scratch(device, lambda meter: _per_node(table, clock, 0, meter))
     finally:
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        set_rng_state(rng)
     times = {k: options.summary(v, on_cuda) for k, v in samples.items()}
     source = ("cuda-events" if on_cuda else "cpu-thread-time" if thread else "cpu-timer") + (
         " per-node" if mode == "per-node" else "")

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES: list[tuple[str, set[str]]] = [
     ("base", {"errors", "bytesize", "units", "_torch_compat", "progress", "debug", "models", "models.inputs", "models.vision",
               "models.video", "models.gpt", "types"}),
-    ("capture", {"capture", "recompute", "opkind", "memory"}),
+    ("capture", {"capture", "state", "recompute", "opkind", "memory"}),
     ("graph", {"graph", "tangents"}),
     ("costs", {"hardware", "costmodel", "profile", "scratch", "timing", "calibrate", "limits"}),
     ("schedule", {"segments", "schedule", "footprint", "simulator"}),
