@@ -34,8 +34,9 @@ class Phase(str, enum.Enum):
 class BufferKind(str, enum.Enum):
     RESIDENT = "resident"  # parameters, buffers, inputs: exist before the step (counted once)
     TEMP = "temp"  # freed after its last reader
-    #: user outputs and gradients: live until the step ends (the caller may hold the output through
-    #: the backward; one it drops earlier only lowers the real peak)
+    #: user outputs, gradients and the loss's incoming gradient (``loss.backward()``'s ones): live
+    #: until the step ends (the caller may hold the output through the backward; one it drops
+    #: earlier only lowers the real peak)
     OUTPUT = "output"
     #: a user output the caller drops before the backward (``build_step_graph(outputs_held=False)``,
     #: e.g. the logits next to a loss the model computes): lives until the forward returns
@@ -369,9 +370,13 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
             # drops the outputs, each but the loss's is autograd's zeros, freed after its last reader. One
             # traced with gaps (``y[:, :64]``, a split) is AOTAutograd's copy of the caller's, in that layout
             # (``empty_strided``: its whole span), freed after its last reader; the caller's is held beside.
-            held = outputs_held or any(v.dim() == 0 for v in _vals(node))
+            # The loss's (0-dim) is the one ``loss.backward()`` makes and holds until every backward
+            # graph has returned: to the step's end.
+            loss = any(v.dim() == 0 for v in _vals(node))
+            held = outputs_held or loss
             gaps = node.op == "placeholder" and not all(map(_is_dense, _vals(node)))
-            kind = BufferKind.TANGENT if node.op == "placeholder" and held and not gaps else BufferKind.TEMP
+            kind = BufferKind.TEMP if node.op != "placeholder" or not held or gaps else \
+                BufferKind.OUTPUT if loss else BufferKind.TANGENT
             add_op(node, g, Phase.BACKWARD, key_to_buf, kind)
             if gaps and held:
                 beside[g][0].extend(Buffer(f"grad_{node.name}", memory.tensor_bytes(v), BufferKind.TANGENT)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fxpooch
+from fxpooch.graph import BufferKind
 from measure import Limits, find_limits, measured_step_peak
 from zoo import ZOO
 
@@ -159,6 +160,58 @@ def test_a_graph_break_is_planned_at_the_peak_the_counter_sees_but_one_gradient(
     cm = fxpooch.compile(model, x, "1TiB", planner="in-core", profile="analytic", hardware="v100-pcie3")
     assert measured_step_peak(cm, (x,), cm.plan.graph.resident_bytes) == cm.plan.static_peak_bytes - MiB
 
+
+class _LossAfterBreak(torch.nn.Module):
+    """tanh of the input, a graph break, then a loss: the HF ``labels=`` pattern (the loss in the
+    later graph), with the step's peak in the earlier graph's backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        y = torch.tanh(x)
+        torch._dynamo.graph_break()
+        return self.b(y).sum()
+
+
+def test_the_ones_loss_backward_makes_are_held_through_every_backward_graph():
+    """``loss.backward()`` holds the loss's incoming gradient until the earliest graph's backward has
+    returned: counted to the step's end (4 B under at the first graph's ``tanh_backward`` when it
+    was counted only through the loss graph's backward)."""
+    torch.manual_seed(0)
+    model, x = _LossAfterBreak(), torch.randn(1024, 256, requires_grad=True)  # 1 MiB activations
+    cm = fxpooch.compile(model, x, "1TiB", planner="in-core", profile="analytic", hardware="v100-pcie3")
+    graph = cm.plan.graph
+    tangents = [(b.name, b.nbytes, b.kind) for b in graph.buffers if b.name.startswith("tangents")]
+    assert tangents == [("tangents_1", 4, BufferKind.OUTPUT), ("tangents_1", MiB, BufferKind.TANGENT)]
+    assert measured_step_peak(cm, (x,), graph.resident_bytes) == cm.plan.static_peak_bytes
+
+
+class _LayerNormUnderAutocast(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.n, self.b = torch.nn.Linear(256, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 256)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the LayerNorm: bf16 input, fp32 weight and bias
+            return self.b(torch.tanh(self.n(self.a(x))))
+
+
+def test_a_layer_norm_of_bf16_with_fp32_weights_is_planned_with_the_fp32_statistics_its_cpu_kernel_makes():
+    """Its fake tensors say bf16 mean and rstd (2 KiB each on 1,024 rows); the CPU kernel makes fp32
+    ones (``_torch_compat.match_kernel_dtypes``). Planned 4 KiB under the counter before."""
+    torch.manual_seed(0)
+    model, x = _LayerNormUnderAutocast(), torch.randn(1024, 256)
+    eager = copy.deepcopy(model)
+    cm = fxpooch.compile(model, x, "1TiB", planner="in-core", profile="analytic", hardware="v100-pcie3")
+    graph = cm.plan.graph
+    stats = {a.name: a.transfer_bytes for a in graph.activations if a.name in ("getitem_1", "getitem_2")}
+    assert stats == {"getitem_1": 4096, "getitem_2": 4096}
+    assert measured_step_peak(cm, (x,), graph.resident_bytes) == cm.plan.static_peak_bytes
+    eager(x).sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
 
 class _DetachedAfterBreak(torch.nn.Module):
     def __init__(self):
