@@ -5,6 +5,7 @@ Everything here is a thin adapter; callers see plain functions with stable signa
 from __future__ import annotations
 
 import bisect
+import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -334,6 +335,28 @@ def outside_fake_mode():
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def match_kernel_dtypes(gm: fx.GraphModule) -> None:
+    """Set the values (``node.meta["val"]``) of ``gm``'s nodes whose kernel returns another dtype than
+    its fake tensor says to what the kernel returns, so that their storages are sized as allocated.
+    One case is known: on CPU, ``native_layer_norm`` of a reduced-precision input with a weight or
+    bias of another dtype (bf16 activations, fp32 parameters) returns its mean and rstd in fp32
+    (ATen's ``layer_norm_cpu``), where ``torch._refs`` casts them to the input's dtype. Elsewhere
+    (CUDA, meta) the reference keeps them in fp32, as the kernel does."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.native_layer_norm.default):
+        val, args = node.meta.get("val"), [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+        x, params = args[0], [p for p in args[2:4] if isinstance(p, torch.Tensor)]
+        if not (isinstance(val, tuple) and isinstance(x, torch.Tensor) and x.device.type == "cpu"
+                and any(p.dtype != x.dtype for p in params) and val[1].dtype != torch.float32):
+            continue
+        with val[1].fake_mode:
+            stats = tuple(torch.empty_strided(v.shape, v.stride(), dtype=torch.float32, device=v.device)
+                          for v in val[1:])
+        node.meta["val"] = (val[0], *stats)
+        for user in node.users:
+            if user.target is operator.getitem and user.args[1] in (1, 2):
+                user.meta["val"] = stats[user.args[1] - 1]
 
 
 # -- DistributedDataParallel: what dynamo reads of it (a private member of DDP) ----------------

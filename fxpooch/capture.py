@@ -253,6 +253,7 @@ class Recorder:
 
     def _partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         fw, bw = compat.default_partition(joint, joint_inputs, **kwargs)
+        compat.match_kernel_dtypes(fw)
         save_all_primals(fw, bw, kwargs["num_fwd_outputs"], compat.static_input_indices(kwargs))
         pair = GraphPair(len(self.pairs), fw, bw, kwargs["num_fwd_outputs"], on_run=self.on_run,
                          runtime=self._runtime, after_backward=self.after_backward)
