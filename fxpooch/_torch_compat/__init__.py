@@ -1,4 +1,5 @@
-"""The one place fxpooch touches torch-private APIs (supported: torch 2.11 - 2.13).
+"""The one place fxpooch touches torch-private APIs (supported: torch 2.11 - 2.13): this package,
+with its distributed and profiler parts in modules of their own.
 
 Everything here is a thin adapter; callers see plain functions with stable signatures.
 """
@@ -8,7 +9,6 @@ import bisect
 import operator
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +30,7 @@ def untested_torch(version: str) -> str | None:
     if parsed is None or TESTED_TORCH[0] <= (int(parsed[1]), int(parsed[2])) <= TESTED_TORCH[1]:
         return None
     return (f"fxpooch is tested with torch {lo_major}.{lo_minor} to {hi_major}.{hi_minor}, not {version}: the "
-            "private torch APIs it adapts (fxpooch/_torch_compat.py) may differ there. Install a tested release: "
+            "private torch APIs it adapts (fxpooch/_torch_compat/) may differ there. Install a tested release: "
             f"pip install 'torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}'")
 
 
@@ -359,106 +359,6 @@ def match_kernel_dtypes(gm: fx.GraphModule) -> None:
                 user.meta["val"] = stats[user.args[1] - 1]
 
 
-# -- DistributedDataParallel: what dynamo reads of it (a private member of DDP) ----------------
-def active_ddp_module() -> Any:
-    """The ``DistributedDataParallel`` whose forward is running on this thread, or None."""
-    if not torch.distributed.is_available():
-        return None
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel._get_active_ddp_module()
-
-
-# -- FSDP2 (fully_shard): what a sharded module's parameter group holds (private members) ------
-@dataclass(frozen=True)
-class ShardedGroup:
-    """One ``fully_shard`` module's parameters as FSDP2 lays them out on this rank.
-
-    ``padded_shard_bytes``: the rank's shards, each padded to an equal slice of dim 0 (what the
-    all-gather sends); ``shards``: the ranks it shards over; ``reshards_after_forward``: the
-    unsharded parameters are freed after the module's forward; ``plain``: default mixed precision
-    and no CPU offload, on a 1-D mesh (parameters all-gathered in their own dtype);
-    ``reduce_scatter_buffers``: reduce-scatter inputs FSDP keeps alive between modules;
-    ``reduces_gradients``: gradients are reduce-scattered after the backward (not accumulated
-    unsharded, ``set_requires_gradient_sync(False)``); ``collective_temporaries``: copies the size of
-    a collective's tensor its process group's backend may hold at once (:func:`collective_temporaries`).
-    """
-
-    padded_shard_bytes: int
-    shards: int
-    reshards_after_forward: bool
-    plain: bool
-    reduce_scatter_buffers: int
-    reduces_gradients: bool
-    collective_temporaries: int = 0
-
-
-def fsdp_sharded_group(module: Any) -> ShardedGroup | None:
-    """The layout of ``module``'s ``fully_shard`` parameter group; None if it manages no parameters."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
-
-    group = module._get_fsdp_state()._fsdp_param_group
-    if group is None:
-        return None
-    mesh = group.mesh_info
-    plain = (isinstance(mesh, FSDPMeshInfo) and not isinstance(mesh, HSDPMeshInfo)
-             and group.mp_policy == MixedPrecisionPolicy() and type(group.offload_policy) is OffloadPolicy)
-    nbytes = sum(p.padded_sharded_param_size.numel() * p.sharded_param.element_size() for p in group.fsdp_params)
-    shards = mesh.shard_mesh_size if isinstance(mesh, FSDPMeshInfo) else 1
-    process_group = getattr(mesh, "shard_process_group", None)
-    return ShardedGroup(nbytes, shards, group.post_forward_mesh_info is not None, plain,
-                        getattr(group, "reduce_scatter_max_input_buffers", 1),  # one where torch lacks the setting
-                        group.reduce_grads, 0 if process_group is None else collective_temporaries(process_group))
-
-
-def collective_temporaries(process_group: Any) -> int:
-    """Copies the size of a collective's tensor that ``process_group``'s backend may hold at once
-    beyond its inputs and outputs: gloo copies on the calling thread and on each of its worker threads
-    (the profiler shows a buffer of the gathered size allocated on each, and those of a worker thread
-    are freed when it is done, while the calling thread may go on); 0 for other backends (NCCL's
-    buffers are its own, outside the caching allocator)."""
-    import torch.distributed as dist
-
-    if dist.get_backend(process_group) != "gloo":
-        return 0
-    try:
-        threads = int(process_group._get_backend(torch.device("cpu")).options._threads)
-    except (AttributeError, RuntimeError):  # where torch does not say: gloo's default
-        threads = 2
-    return 1 + threads
-
-
-# -- profiler events ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class ProfilerEvent:
-    """One raw event of a finished ``torch.profiler.profile``: an op or range (``nbytes`` 0), or an
-    allocator event (``name == "[memory]"``; ``nbytes`` > 0 allocated, < 0 freed)."""
-
-    name: str
-    start_ns: int
-    end_ns: int
-    device_type: str  # "cpu", "cuda", ...
-    nbytes: int
-
-
-#: the name the profiler gives an allocator event
-MEMORY_EVENT = "[memory]"
-
-
-def profiler_events(prof: Any) -> list[ProfilerEvent]:
-    """The raw (Kineto) events of a finished profiler, in the order recorded: the public
-    ``events()`` folds allocator events into their ops and loses their order."""
-    out = []
-    for e in prof.profiler.kineto_results.events():
-        name = e.name()
-        memory = name == MEMORY_EVENT
-        out.append(ProfilerEvent(name, e.start_ns(), e.start_ns() + e.duration_ns(),
-                                 str(e.device_type()).rsplit(".", 1)[-1].lower(), e.nbytes() if memory else 0))
-    return out
-
-
-def profiler_active() -> bool:
-    """Whether an autograd profiler (``torch.profiler.profile``) is running: a second one started
-    inside it would end its session."""
-    return torch.autograd._profiler_enabled()
+# -- the parts in modules of their own, as parts of this one ---------------------------------
+from .distributed import ShardedGroup, active_ddp_module, collective_temporaries, fsdp_sharded_group  # noqa: E402,F401
+from .profiler import MEMORY_EVENT, ProfilerEvent, profiler_active, profiler_events  # noqa: E402,F401
