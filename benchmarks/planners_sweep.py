@@ -376,6 +376,26 @@ def merged(rows: list[dict], out: str, names: list[str]) -> list[dict]:
     return sorted(kept + rows, key=lambda r: order[r["model"]])  # stable: presets and limits keep their order
 
 
+def saved_commands(out: str) -> list[str]:
+    """The commands that made the rows saved in ``out``, in the order they ran (none if there is no
+    ``out``)."""
+    if not os.path.exists(out):
+        return []
+    with open(out) as f:
+        return json.load(f)["commands"]
+
+
+def commands_after(saved: list[str], command: str, whole: bool) -> list[str]:
+    """The commands that made the rows once ``command`` ran after ``saved``, in the order they ran:
+    ``command`` alone where it made them all (``whole``); else ``saved`` and ``command`` last, an
+    earlier run of the same command left out (this one made its rows again).
+
+    >>> commands_after(["sweep", "sweep --models a", "sweep-summary"], "sweep-summary", whole=False)
+    ['sweep', 'sweep --models a', 'sweep-summary']
+    """
+    return [command] if whole else [*(c for c in saved if c != command), command]
+
+
 #: ``--part`` -> the columns it makes again on the saved rows
 REFRESH = {"sweep-planners": planner_columns, "sweep-bounds": bound_columns, "sweep-long": long_columns,
            "sweep-longer": longer_columns}
@@ -413,20 +433,12 @@ def main(quick: bool, out: str, only: set[str] | None = None, part: str = "sweep
     summ = summary(rows)
     print(json.dumps(summ, indent=1))
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    command = "python benchmarks/planners.py --part sweep" + (" --quick" if quick else "") + (
-        " --models <each model in turn>" if only is not None else "")
-    saved = {}
-    if part in REFRESH or part == "sweep-summary":
-        with open(out) as f:
-            saved = {k: v for k, v in json.load(f).items() if k.endswith("command")}
-        command = saved.pop("command")
-        key = f"{part.split('-')[1]}_command"
-        saved.pop(key, None)  # the last run last: the README lists them in order
-        saved[key] = f"python benchmarks/planners.py --part {part}" + (
-            f" --models {','.join(sorted(only))}" if only else "")
+    command = f"python benchmarks/planners.py --part {part}" + (" --quick" if quick and part == "sweep" else "") + (
+        f" --models {','.join(sorted(only))}" if only else "")
+    commands = commands_after(saved_commands(out), command, whole=part == "sweep" and only is None)
     with open(out, "w") as f:
-        json.dump({"simulated": True, "command": command, **saved, "summary": summ, "rows": rows}, f, indent=1)
+        json.dump({"simulated": True, "commands": commands, "summary": summ, "rows": rows}, f, indent=1)
     time_picture(rows, os.path.join(os.path.dirname(out), "planners_time.svg"))
     print(readme_table(rows))
-    write_readme(os.path.join(os.path.dirname(__file__), "..", "README.md"), rows, [command, *saved.values()])
+    write_readme(os.path.join(os.path.dirname(__file__), "..", "README.md"), rows, commands)
     print(f"wrote {out}")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from planners_sweep import EXACT, LONG, LONGER, gap_table_columns, gaps, summary, with_gap_table
+from planners_sweep import EXACT, LONG, LONGER, commands_after, gap_table_columns, gaps, summary, with_gap_table
 
 KEY = {"model": "m", "hardware": "h", "point": 0.0, "ops": 90, "activations": 12, "fraction": 0.4}
 
@@ -85,3 +85,13 @@ def test_the_gap_tables_optimum_is_a_plan_meeting_a_proved_bound(row, optimum, b
     gap_table_gaps(row, ("pooch", "superneurons", "local"))
     assert (row["optimum"], row["best_known"]) == (optimum, best_known)
     assert row["local_gap"] == (None if optimum is None else pytest.approx(100 * (1.2 / optimum - 1)))
+
+
+@pytest.mark.parametrize("saved, command, whole, expected", [
+    (["sweep", "sweep-long"], "sweep", True, ["sweep"]),  # a whole sweep makes every row again
+    (["sweep", "sweep-long"], "sweep --models a", False, ["sweep", "sweep-long", "sweep --models a"]),
+    (["sweep", "sweep-long", "sweep --models a"], "sweep-long", False, ["sweep", "sweep --models a", "sweep-long"]),
+    ([], "sweep-summary", False, ["sweep-summary"]),
+])
+def test_the_commands_that_made_the_rows_in_the_order_they_ran(saved, command, whole, expected):
+    assert commands_after(saved, command, whole) == expected
