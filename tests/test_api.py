@@ -149,6 +149,32 @@ def test_planning_on_meta_uses_no_memory():
     assert plan.in_core_peak_bytes > 9 * 2**30 >= plan.peak_bytes
 
 
+class _GradientsMetaKernelsDropped(nn.Module):
+    """Ops that torch also gives Python meta kernels, which under AOTAutograd's tracing on meta
+    used to take the place of their decomposition, and so of their gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(512, 512), nn.Linear(512, 512)
+
+    def forward(self, x, target):
+        h = nn.functional.relu6(self.a(x))
+        h = torch.where(h > 1, h, 0.0) + h.var(dim=-1, keepdim=True)
+        return nn.functional.cross_entropy(nn.functional.selu(self.b(h)), target)
+
+
+def test_a_step_traced_on_meta_has_the_backward_it_has_on_cpu():
+    steps = {}
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            model, x = _GradientsMetaKernelsDropped(), torch.randn(512, 512)
+            target = torch.zeros(512, dtype=torch.long)
+        graph = fxpooch.plan(model, (x, target), "1TiB", planner="in-core", hardware="h100-pcie5").graph
+        steps[device] = ([(op.graph, op.phase, op.target) for op in graph.ops], [a.name for a in graph.activations])
+    assert steps["meta"] == steps["cpu"]
+    assert ("aten._log_softmax_backward_data.default" in {target for _, _, target in steps["meta"][0]})
+
+
 def test_unknown_planner_lists_choices():
     model, x = ZOO["mlp"]()
     with pytest.raises(fxpooch.UnknownName, match="pooch"):

@@ -6,9 +6,10 @@ Everything here is a thin adapter; callers see plain functions with stable signa
 from __future__ import annotations
 
 import bisect
+import contextlib
 import operator
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +42,45 @@ def aot_backend(fw_compiler: Callable, bw_compiler: Callable, partition_fn: Call
     from torch._dynamo.backends.common import aot_autograd
 
     extra = {} if decompositions is None else {"decompositions": decompositions}
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn, **extra)
+    aot = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn, **extra)
+
+    def backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable:
+        with meta_kernels_decomposed(example_inputs):
+            return aot(gm, example_inputs, **kwargs)
+
+    return backend
+
+
+def _meta_kernels_over_autograd() -> list[OpOverload]:
+    """The ops that decompose for autograd (CompositeImplicitAutograd) and that torch also gives a
+    Python meta kernel (``torch._meta_registrations.activate_meta``: every op of its decomposition
+    tables). Under the Python dispatcher, as AOTAutograd traces, that kernel wins over the
+    decomposition on meta tensors, and autograd has no formula for the op: its gradient is
+    dropped (``cross_entropy``, ``relu6``, ``var``, ``torch.where(c, x, 0.0)``...)."""
+    from torch._decomp import global_decomposition_table
+
+    ops = {op for table in global_decomposition_table.values() for op in table if isinstance(op, OpOverload)}
+    return [op for op in ops if torch._C.DispatchKey.Meta in op.py_kernels and has_composite_implicit_kernel(op)]
+
+
+@contextlib.contextmanager
+def meta_kernels_decomposed(example_inputs: Sequence[Any]) -> Iterator[None]:
+    """Where an input is a meta tensor: while in the block, the ops of
+    :func:`_meta_kernels_over_autograd` decompose on meta as they do on every other device (their
+    Python meta kernels set aside), so that a step traced on meta has the backward a real one has."""
+    if not any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tree_leaves(list(example_inputs))):
+        yield
+        return
+    meta = torch._C.DispatchKey.Meta
+    hidden = {op: op.py_kernels.pop(meta) for op in _meta_kernels_over_autograd()}
+    for op in hidden:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in hidden.items():
+            op.py_kernels[meta] = kernel
+            op._dispatch_cache.clear()
 
 
 def inductor_decompositions() -> dict:
