@@ -52,15 +52,20 @@ def aot_backend(fw_compiler: Callable, bw_compiler: Callable, partition_fn: Call
 
 
 def _meta_kernels_over_autograd() -> list[OpOverload]:
-    """The ops that decompose for autograd (CompositeImplicitAutograd) and that torch also gives a
-    Python meta kernel (``torch._meta_registrations.activate_meta``: every op of its decomposition
-    tables). Under the Python dispatcher, as AOTAutograd traces, that kernel wins over the
-    decomposition on meta tensors, and autograd has no formula for the op: its gradient is
-    dropped (``cross_entropy``, ``relu6``, ``var``, ``torch.where(c, x, 0.0)``...)."""
-    from torch._decomp import global_decomposition_table
-
-    ops = {op for table in global_decomposition_table.values() for op in table if isinstance(op, OpOverload)}
-    return [op for op in ops if torch._C.DispatchKey.Meta in op.py_kernels and has_composite_implicit_kernel(op)]
+    """The aten ops that decompose for autograd (CompositeImplicitAutograd) and that torch also
+    gives a Python meta kernel (``torch._meta_registrations.activate_meta``: every op of its
+    decomposition tables; ``broadcast_tensors``). Under the Python dispatcher, as AOTAutograd
+    traces, that kernel wins over the decomposition on meta tensors, and autograd has no formula
+    for the op: its gradient is dropped (``cross_entropy``, ``relu6``, ``var``, ``torch.where(c,
+    x, 0.0)``...)."""
+    ops = []
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in packet.overloads() if isinstance(packet, torch._ops.OpOverloadPacket) else ():
+            op = getattr(packet, overload)
+            if torch._C.DispatchKey.Meta in op.py_kernels and has_composite_implicit_kernel(op):
+                ops.append(op)
+    return ops
 
 
 @contextlib.contextmanager
