@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import InfeasibleMemoryLimit
+from ..errors import InfeasibleMemoryLimit, InvalidOption
 from ..graph import StepGraph
 from ..schedule import Decision, Schedule, build_schedule, move_prefetches
 from ..segments import NotRecomputable, Recomputes, can_recompute, chain_ops, member_owner, plan_recomputes
@@ -174,6 +174,9 @@ class Evaluator:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
+        if len(key[0]) != len(self.graph.activations):
+            raise InvalidOption(f"{len(key[0])} decisions for a graph of {len(self.graph.activations)} activations: "
+                                "give one per activation of problem.graph.activations, in their order")
         if share is None:
             candidate = self.evaluate(decisions, early_prefetch, True)
             if (candidate is not None and not candidate.fits and candidate.shared
