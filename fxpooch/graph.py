@@ -367,7 +367,8 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
                 op_of[node] = op_of[saved_nodes[bw_placeholders.index(node)]]
                 continue
             # an incoming gradient: held by whoever passed it for the whole backward call; when the caller
-            # drops the outputs, each but the loss's is autograd's zeros, freed after its last reader. One
+            # drops the outputs, each but the loss's is autograd's zeros, freed after its last reader
+            # (held through the call too before torch 2.13: ``compat.missing_gradients_held``). One
             # traced with gaps (``y[:, :64]``, a split) is AOTAutograd's copy of the caller's, in that layout
             # (``empty_strided``: its whole span), freed after its last reader; the caller's is held beside.
             # The loss's (0-dim) is the one ``loss.backward()`` makes and holds until every backward
@@ -375,7 +376,8 @@ def build_step_graph(pairs: Sequence[GraphPair], memory: MemoryModel, resident_b
             loss = any(v.dim() == 0 for v in _vals(node))
             held = outputs_held or loss
             gaps = node.op == "placeholder" and not all(map(_is_dense, _vals(node)))
-            kind = BufferKind.TEMP if node.op != "placeholder" or not held or gaps else \
+            zeros_held = not held and compat.missing_gradients_held()
+            kind = BufferKind.TEMP if node.op != "placeholder" or not (held or zeros_held) or gaps else \
                 BufferKind.OUTPUT if loss else BufferKind.TANGENT
             add_op(node, g, Phase.BACKWARD, key_to_buf, kind)
             if gaps and held:

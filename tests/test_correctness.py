@@ -7,9 +7,19 @@ import pytest
 import torch
 
 import fxpooch
+from fxpooch import _torch_compat as compat
 from fxpooch.graph import BufferKind
 from measure import Limits, find_limits, measured_step_peak
 from zoo import ZOO
+
+
+def over(high: int) -> int:
+    """A known over-count of ``high`` bytes as measured on torch 2.13; on 2.11 and 2.12, whose
+    AOTAutograd holds a backward's incoming gradients until it returns
+    (``compat.missing_gradients_held``), the measured peak meets the plan. An under-count
+    (``high`` < 0, the caller's gradient of an output a later graph takes) stays."""
+    return 0 if high > 0 and compat.missing_gradients_held() else high
+
 
 MiB = 2**20
 
@@ -158,7 +168,7 @@ def test_a_graph_break_is_planned_at_the_peak_the_counter_sees_but_one_gradient(
     torch.manual_seed(0)
     model, x = _BreakAfterAttention(), torch.randn(8, 256, 128)  # 1 MiB activations
     cm = fxpooch.compile(model, x, "1TiB", planner="in-core", profile="analytic", hardware="v100-pcie3")
-    assert measured_step_peak(cm, (x,), cm.plan.graph.resident_bytes) == cm.plan.static_peak_bytes - MiB
+    assert measured_step_peak(cm, (x,), cm.plan.graph.resident_bytes) == cm.plan.static_peak_bytes - over(MiB)
 
 
 class _LossAfterBreak(torch.nn.Module):
@@ -278,7 +288,7 @@ def test_outputs_dynamo_returns_beside_the_graphs_are_planned_with_their_gradien
     cm = fxpooch.compile(model, x, "1TiB", planner="in-core", profile="analytic", hardware="v100-pcie3")
     graph = cm.plan.graph
     assert {b.name: b.nbytes for b in graph.buffers if b.name.startswith("grad_")} == held
-    assert measured_step_peak(cm, (x,), graph.resident_bytes) == cm.plan.static_peak_bytes - high
+    assert measured_step_peak(cm, (x,), graph.resident_bytes) == cm.plan.static_peak_bytes - over(high)
 
 
 @pytest.mark.xfail(strict=True, reason="counted low: README, training-loop contract, Counted low")
@@ -367,6 +377,7 @@ class _WithViews(torch.nn.Module):
 KiB = 2**10
 
 
+
 @pytest.mark.parametrize("outputs, held, high", [
     # y's tangent is autograd's sum of the caller's gradients, a new MiB: counted held, freed after the
     # bias gradient reads it (the plan's peak, at gelu_backward, holds it and that 1 KiB gradient)
@@ -390,4 +401,4 @@ def test_outputs_that_are_views_are_planned_with_the_gradients_the_caller_holds(
     cm = fxpooch.compile(model, x, "1TiB", planner="in-core", profile="analytic", hardware="v100-pcie3")
     graph = cm.plan.graph
     assert {b.name: b.nbytes for b in graph.buffers if b.name.startswith("grad_")} == held
-    assert measured_step_peak(cm, (x,), graph.resident_bytes) == cm.plan.static_peak_bytes - high
+    assert measured_step_peak(cm, (x,), graph.resident_bytes) == cm.plan.static_peak_bytes - over(high)

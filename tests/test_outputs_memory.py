@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 import fxpooch
+from fxpooch import _torch_compat as compat
 from fxpooch.errors import InvalidOption
 from measure import HOST_OPS, StepCounter
 from memcount import resident_bytes
@@ -74,7 +75,11 @@ def test_in_core_peak_of_a_held_output_is_the_measured_one():
     model.zero_grad(set_to_none=True)
     # held without a gradient of the caller's: autograd's zeros die after their last reader, the plan
     # holds a gradient through the backward call (whoever passed it may), so it is above by less than one
-    assert cm.plan.in_core_peak_bytes - OUT < measured_peak(cm, model, x, "output") < cm.plan.in_core_peak_bytes
+    # (on torch 2.11 and 2.12 AOTAutograd holds them until the backward returns: the plan's peak)
+    if compat.missing_gradients_held():
+        assert measured_peak(cm, model, x, "output") == cm.plan.in_core_peak_bytes
+    else:
+        assert cm.plan.in_core_peak_bytes - OUT < measured_peak(cm, model, x, "output") < cm.plan.in_core_peak_bytes
 
 
 def test_in_core_peak_of_a_dropped_output_is_the_measured_one():
