@@ -377,7 +377,6 @@ class _WithViews(torch.nn.Module):
 KiB = 2**10
 
 
-
 @pytest.mark.parametrize("outputs, held, high", [
     # y's tangent is autograd's sum of the caller's gradients, a new MiB: counted held, freed after the
     # bias gradient reads it (the plan's peak, at gelu_backward, holds it and that 1 KiB gradient)

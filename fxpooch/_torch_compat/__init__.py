@@ -19,6 +19,12 @@ import torch.fx as fx
 TESTED_TORCH = ((2, 11), (2, 13))
 
 
+def _release(version: str) -> tuple[int, int] | None:
+    """The (major, minor) release ``version`` names (``torch.__version__``), None if none."""
+    parsed = re.match(r"(\d+)\.(\d+)", version)
+    return (int(parsed[1]), int(parsed[2])) if parsed else None
+
+
 def untested_torch(version: str) -> str | None:
     """What to do about torch ``version`` (``torch.__version__``) when it is not one of
     :data:`TESTED_TORCH`; None when it is (or names no release: nothing to compare).
@@ -26,18 +32,13 @@ def untested_torch(version: str) -> str | None:
     >>> untested_torch("2.13.0+cpu") is None
     True
     """
-    parsed = re.match(r"(\d+)\.(\d+)", version)
+    release = _release(version)
     (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_TORCH
-    if parsed is None or TESTED_TORCH[0] <= (int(parsed[1]), int(parsed[2])) <= TESTED_TORCH[1]:
+    if release is None or TESTED_TORCH[0] <= release <= TESTED_TORCH[1]:
         return None
     return (f"fxpooch is tested with torch {lo_major}.{lo_minor} to {hi_major}.{hi_minor}, not {version}: the "
             "private torch APIs it adapts (fxpooch/_torch_compat/) may differ there. Install a tested release: "
             f"pip install 'torch>={lo_major}.{lo_minor},<{hi_major}.{hi_minor + 1}'")
-
-
-def _release(version: str) -> tuple[int, int]:
-    parsed = re.match(r"(\d+)\.(\d+)", version)
-    return (int(parsed[1]), int(parsed[2])) if parsed else (0, 0)
 
 
 def missing_gradients_held(version: str = torch.__version__) -> bool:
@@ -49,7 +50,7 @@ def missing_gradients_held(version: str = torch.__version__) -> bool:
     >>> missing_gradients_held("2.12.1"), missing_gradients_held("2.13.0+cpu")
     (True, False)
     """
-    return _release(version) < (2, 13)
+    return (_release(version) or TESTED_TORCH[1]) < (2, 13)
 
 
 def aot_backend(fw_compiler: Callable, bw_compiler: Callable, partition_fn: Callable,

@@ -178,8 +178,9 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
     them, each an attention-sized activation recomputed instead of swapped, 1.853x -> 1.697x
     in-core in 12 simulations, after clusters had spent 11 finding nothing; with local search
     first, 1.679x). Where they do, clusters first: on GPT-2 at 2 layers returning its logits, at
-    its floor, a cluster move is 9.6% faster than where local search alone ends. For the same reason the group moves'
-    last descent keeps those simulations in reserve (:func:`~.groups.group_search`). On graphs
+    its floor, a cluster move is 9.6% faster than where local search alone ends. For the same
+    reason the group moves' last descent keeps those simulations in reserve
+    (:func:`~.groups.group_search`). On graphs
     small enough for the exact search, the MILP's point improved the same way (:func:`milp_seed`)
     and branch and bound from the better plan with the simulations left and the MILP's bound at
     its root (the optimum when it finishes)."""
