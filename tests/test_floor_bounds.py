@@ -1,7 +1,8 @@
 """The LP / MILP with the inequalities near the floor (``lp.Families``): on every small graph of
 the tests, from the floor to in-core, they stay below the brute-force optimum, never below the
 model without them, and at the floor they close the gap the model without them left. The model
-a large graph falls back to (``lp.LARGE``: fewer families and points) is never above them."""
+a large graph falls back to (``lp.LARGE``: fewer families and points; ``lp.CUT_CHAINS``, LARGE's
+with the chains' work) is never above them."""
 from __future__ import annotations
 
 import math
@@ -17,7 +18,7 @@ from test_search import GRAPHS, at_fraction, brute_force, problem
 K, S, R = Decision.KEEP, Decision.SWAP, Decision.RECOMPUTE
 
 pytest.importorskip("scipy")
-from fxpooch.planners.lp import LARGE, Families, relaxation, solve  # noqa: E402
+from fxpooch.planners.lp import CUT_CHAINS, LARGE, Families, relaxation, solve  # noqa: E402
 
 WITHOUT = Families(cut_ends=False, streams=False, chain_reads=False, head_reads=False, chain_work=False)
 #: HiGHS stops a MILP within a relative gap (``lp.MIP_REL_GAP``) and an absolute one: its dual
@@ -70,6 +71,9 @@ def test_bounds_below_the_optimum_and_tighter(name, fraction, make):
     assert lp >= old_lp * (1 - 1e-9) and milp >= old_milp * (1 - MIP_GAP)  # only rows added
     large_lp, large_milp = _bounds(prob, LARGE)
     assert large_lp <= lp * (1 + 1e-9) and large_milp <= milp * (1 + MIP_GAP)  # rows and points left out
+    chains_lp, chains_milp = _bounds(prob, CUT_CHAINS)  # LARGE's with rows added
+    assert large_lp <= chains_lp * (1 + 1e-9) <= lp * (1 + 1e-9) ** 2
+    assert large_milp <= chains_milp * (1 + MIP_GAP) and chains_milp <= milp * (1 + MIP_GAP)
     if optimum == math.inf:
         return
     assert lp <= milp * (1 + 1e-9) and milp <= optimum * (1 + 1e-9)

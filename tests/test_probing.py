@@ -13,7 +13,7 @@ from stepgraphs import DROPOUT, build, dropout_drawn_only
 from test_search import FRACTIONS, GRAPHS, at_fraction, brute_force, problem
 
 pytest.importorskip("scipy")
-from fxpooch.planners.lp import CORE, LARGE, PROBING, Families, lp_lower_bound, probed_relaxation, relaxation, solve  # noqa: E402
+from fxpooch.planners.lp import CORE, CUT_CHAINS, LARGE, PROBING, Families, lp_lower_bound, probed_relaxation, relaxation, solve  # noqa: E402
 from fxpooch.planners.lpmodel import ModelTooLarge  # noqa: E402
 from fxpooch.planners.probing import probe  # noqa: E402
 
@@ -129,10 +129,10 @@ def test_probing_lifts_the_lp_to_the_optimum_at_the_mlp_floor(hardware, before):
 def test_a_model_past_its_nonzeros_falls_back_to_the_families_that_scale():
     prob = problem("mlp", 0.0, "v100-pcie3")
     bounds = Bounds(Evaluator(prob))
-    full, core, large = (relaxation(bounds, f).nonzeros for f in (Families(), CORE, LARGE))
-    assert large < core < full
-    assert [probed_relaxation(bounds, max_nonzeros=size).nonzeros for size in (full, full - 1, core - 1)] == [
-        full, core, large]
+    full, chains, core, large = (relaxation(bounds, f).nonzeros for f in (Families(), CUT_CHAINS, CORE, LARGE))
+    assert large < chains < core < full
+    assert [probed_relaxation(bounds, max_nonzeros=size).nonzeros for size in (full, full - 1, chains - 1)] == [
+        full, chains, large]  # CORE, larger than CUT_CHAINS here, passes chains - 1 too
     with pytest.raises(ModelTooLarge, match=f"more than {large - 1} nonzeros"):
         probed_relaxation(bounds, max_nonzeros=large - 1)
 

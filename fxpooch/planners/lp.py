@@ -48,7 +48,7 @@ least as many candidates as the largest ones that cover them (``Families.covers`
 
 **Near the floor**: the families of :mod:`.floor` (``Families``; each holds for every fitting
 plan's point, so the bound stays valid with any of them, and with fewer points: a large graph's
-model keeps the cuts alone, :data:`LARGE`).
+model keeps the cuts alone, with the recomputes' chain work or without, :data:`FALLBACKS`).
 
 **Scratch.** The memory an op takes inside itself (``StepGraph.op_scratch``) is in ``M_c`` at a
 cut (every plan holds the op's scratch while it runs) and left out at a rebuild point (neither
@@ -130,8 +130,15 @@ CORE = Families(chain_reads=False, chain_work=False, chain_deadlines=False, issu
 #: nothing there, nor at 2L's, 1.337x either way)
 LARGE = Families(chain_reads=False, chain_work=False, chain_deadlines=False, issue_order=False,
                  timing_cuts=False, rebuild_points=False)
+#: :data:`LARGE` with the work of each recomputed activation's chain after each point that evicts
+#: it (``chain_work``): at the floors of the zoo and GPT-2 2L it is smaller than :data:`CORE` (at
+#: 6L's larger, 2.8M nonzeros against 2.2M) and its MILP tighter (h100-pcie5: test:cnn_bn 1.464x in-core against 1.356x, test:resnet_small 1.730x
+#: against 1.700x, test:transformer_block 1.149x against 1.130x; GPT-2 2L's PCIe3 floor 1.077x,
+#: the MILP with every family, in 53k nonzeros against 233k, where both LARGE and CORE stop at
+#: 1.042x; at 6L's, 1.189x after 600 s against LARGE's 1.111x, ``local`` 1.199x)
+CUT_CHAINS = replace(LARGE, chain_work=True)
 #: what :func:`probed_relaxation` builds, in order, where the model asked for is too large
-FALLBACKS = (CORE, LARGE)
+FALLBACKS = (CUT_CHAINS, CORE, LARGE)
 #: the model probing solves (:mod:`.probing`): the points' memory, the rebuilds and the chain
 #: reads, which keep a recompute whose chain reads swaps out of a point just after its reader
 #: where the swaps' bytes do not fit (HF GPT-2 at 2 layers at its PCIe3 floor: the attention's
