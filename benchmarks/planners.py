@@ -320,14 +320,15 @@ def refresh(path: str, part: str, jobs: int, only: set[str] | None, rerun: bool 
         if (part == "bounds" or (part == "milp" and stopped)
                 or (part == "exact" and (rerun or stale) and r["activations"] <= MILP_UP_TO)):
             tasks.setdefault((r["model"], r["batch"], r["hardware"]), []).append((i, r["point"], r))
+    models = f" --models {','.join(sorted(only))}" if only else ""
     if part == "exact":
         data["exact_command"] = (f"python benchmarks/planners.py --part exact (EXACT_WORK {EXACT_WORK:,} op-simulations "
                                  f"per row, the LP after probing at every node up to {EXACT_LP_UP_TO} activations)")
     elif part == "bounds":
-        data["bounds_command"] = f"python benchmarks/planners.py --part bounds (MILP_SECONDS {MILP_SECONDS:g})"
+        data["bounds_command"] = (f"python benchmarks/planners.py --part bounds{models} (MILP_SECONDS {MILP_SECONDS:g}, "
+                                  f"MILP_NONZEROS {MILP_NONZEROS:,})")
     else:
-        data["milp_command"] = (f"python benchmarks/planners.py --part milp --milp-seconds {milp_seconds:g}"
-                                + (f" --models {','.join(sorted(only))}" if only else ""))
+        data["milp_command"] = f"python benchmarks/planners.py --part milp --milp-seconds {milp_seconds:g}{models}"
     smallest_first = sorted(((key, (part, milp_seconds), todo) for key, todo in tasks.items()), key=lambda t: (rows[t[2][0][0]]["ops"], t[0]))
     with multiprocessing.get_context("spawn").Pool(jobs) as pool:
         for done in pool.imap_unordered(_refresh_task, smallest_first):
