@@ -13,8 +13,8 @@ proved bound, the optimum where nothing is left open; on graphs of at most
 exact search's best plan to its proved bound, where the optimum stays open) and to the best
 bound. Planning times are CPU seconds
 of this process, so other load does not inflate them (HiGHS's limit is wall-clock).
-Models: the test zoo (tests/zoo.py), GPT-2 at 2 layers (HuggingFace, as the sweep), an 8-layer
-convnet; ``--models a,b`` runs a subset (also ``resnet50``, ``gpt2``... of ``fxpooch.models``).
+Models: the test zoo (tests/zoo.py), GPT-2 at 2 and 6 layers (HuggingFace, as the sweep), an
+8-layer convnet; ``--models a,b`` runs a subset (also ``resnet50``, ``gpt2``... of ``fxpooch.models``).
 All figures are simulated on the analytic cost model of the named hardware; tracing runs on
 meta tensors (no memory used). Writes benchmarks/results/planners.json and the gap table in
 benchmarks/PLANNERS.md.
@@ -28,8 +28,8 @@ default budget leaves on the table; ``--part sweep-longer`` adds ``local`` with 
 the saved rows of graphs of up to 1,400 ops (``planners_sweep.LONGER``), counted the same way.
 ``--part sweep-planners``, ``--part sweep-bounds`` and ``--part sweep-long`` make the planners'
 columns, the bound columns or the 8x search's again on the saved rows. Where the gap table ran the
-same row (the test zoo and GPT-2 2L at the floor, 1/4 and 1/2), the sweep's bound is the higher of
-its own and the gap table's (its MILP or exact search's proved bound), and the exact search's plan
+same row (the test zoo and GPT-2 2L and 6L at the floor, 1/4 and 1/2), the sweep's bound is the
+higher of its own and the gap table's (its MILP or exact search's proved bound), and the exact search's plan
 counts among the best; ``--part sweep-summary`` reads the gap table again without re-running the
 sweep.
 
