@@ -164,3 +164,19 @@ def test_the_exact_search_lp_after_probing_bounds_the_undecided_at_the_optimum()
     assert probed.bound([None] * 3) == pytest.approx(optimum, rel=1e-5)
     assert bare.bound([None] * 3) == pytest.approx(optimum, rel=1e-5)
     assert probed.bound([Decision.RECOMPUTE, None, None]) == bare.bound([Decision.RECOMPUTE, None, None]) == math.inf
+
+
+def test_the_exact_search_builds_no_lp_past_its_nonzeros(monkeypatch):
+    """Past ``lp.MAX_NONZEROS`` the exact search has no LP / MILP bound or seed (its root MILP is
+    outside any budget of work there), and still ends at the optimum on the MLP's floor, by the
+    simulator and the cut bounds alone."""
+    from fxpooch.planners import search
+    from fxpooch.planners.search import SearchOptions, exact_search, fixed_bound
+
+    prob = problem("mlp", 0.0, "v100-pcie3")
+    optimum = min(brute_force(prob).values())
+    assert fixed_bound(Bounds(Evaluator(prob))) is not None
+    monkeypatch.setattr(search, "MAX_NONZEROS", 1)
+    assert fixed_bound(Bounds(Evaluator(prob))) is None
+    out = exact_search(prob, SearchOptions(lp_bounds=True))
+    assert out.proved and out.best.step_time == pytest.approx(optimum, rel=1e-12)

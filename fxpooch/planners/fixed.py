@@ -31,16 +31,18 @@ class FixedBound:
 
     ``probed``: the recomputes :mod:`.probing` rules out are fixed at 0 too (every fitting plan
     leaves them out, so the bounds stay bounds, tighter near the floor; the model may then be a
-    smaller one, :func:`.lp.probed_relaxation`). ``solves`` counts the LPs and MILPs run (a
+    smaller one, :func:`.lp.probed_relaxation`). :class:`~.lpmodel.ModelTooLarge` past
+    ``max_nonzeros``. ``solves`` counts the LPs and MILPs run (a
     search's work). Raises ImportError without scipy."""
 
-    def __init__(self, bounds: Bounds, probed: bool = False):
+    def __init__(self, bounds: Bounds, probed: bool = False, max_nonzeros: int | None = None):
         import numpy as np
         import scipy.optimize  # noqa: F401  (ImportError here, not at the first bound)
 
         from .lp import probed_relaxation, relaxation
 
-        self.model = probed_relaxation(bounds) if probed else relaxation(bounds)
+        self.model = (probed_relaxation(bounds, max_nonzeros=max_nonzeros) if probed
+                      else relaxation(bounds, max_nonzeros=max_nonzeros))
         c, a_ub, b_ub, a_eq, b_eq, lo, hi = self.model.matrices()
         self._c, self._a_ub, self._b_ub, self._a_eq, self._b_eq = c, a_ub, b_ub, a_eq, b_eq
         self._lo, self._hi = lo, hi

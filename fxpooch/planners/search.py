@@ -31,6 +31,7 @@ from .baselines import checkpoint_plan
 from .bounds import Bounds
 from .branch import BranchAndBound, ExactResult
 from .fixed import FixedBound
+from .lpmodel import MAX_NONZEROS, ModelTooLarge
 from .common import Candidate, Evaluator, Problem, require_fit, simulation_budget
 from .groups import group_search
 from .moves import clusters, exchange, faster, followups, linked
@@ -220,11 +221,15 @@ def plan_local(problem: Problem, options: SearchOptions = SearchOptions()) -> Ca
 
 def fixed_bound(bounds: Bounds, probed: bool = False) -> FixedBound | None:
     """The LP / MILP of ``fixed.py`` for ``bounds``' problem (``probed``: after probing); None
-    without scipy."""
+    without scipy, or where its model would pass :data:`.lp.MAX_NONZEROS` (GPT-2 6L's, 10M
+    nonzeros: its root MILP ran half an hour at 9.6 GB, outside any budget of work)."""
     try:
-        return FixedBound(bounds, probed)
+        return FixedBound(bounds, probed, MAX_NONZEROS)
     except ImportError:
         log.info("scipy is not installed: no LP / MILP bound or seed")
+        return None
+    except ModelTooLarge as e:
+        log.info("LP / MILP bound and seed: %s (%d activations); none", e, len(bounds.ev.graph.activations))
         return None
 
 
