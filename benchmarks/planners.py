@@ -29,9 +29,9 @@ the saved rows of graphs of up to 1,400 ops (``planners_sweep.LONGER``), counted
 ``--part sweep-planners``, ``--part sweep-bounds`` and ``--part sweep-long`` make the planners'
 columns, the bound columns or the 8x search's again on the saved rows. Where the gap table ran the
 same row (the test zoo and GPT-2 2L and 6L at the floor, 1/4 and 1/2), the sweep's bound is the
-higher of its own and the gap table's (its MILP or exact search's proved bound), and the exact search's plan
-counts among the best; ``--part sweep-summary`` reads the gap table again without re-running the
-sweep.
+higher of its own and the gap table's (its MILP or exact search's proved bound), and the exact
+search's plan counts among the best; ``--part sweep-summary`` reads the gap table again without
+re-running the sweep.
 
 ``--part exact`` runs only the exact search on the rows of the saved gap part that have no
 optimum and no exact search with today's settings (``exact_settings``), in ``--jobs`` processes,

@@ -60,8 +60,8 @@ LONGER = f"local-{LONGER_WORK}x"
 LONG_SEARCHES = (LONG, LONGER)
 #: the gap table (``planners.py --part gap``, saved beside this sweep's JSON) runs some of the same
 #: rows (the test zoo and GPT-2 2L and 6L, at the floor and 1/4 and 1/2 of the way to in-core):
-#: there its MILP and exact search bound the optimum better than the LP alone, and the exact search's plan
-#: counts among the best
+#: there its MILP and exact search bound the optimum better than the LP alone, and the exact
+#: search's plan counts among the best
 GAP_TABLE = "planners.json"
 EXACT = "exact"
 

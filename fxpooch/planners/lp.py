@@ -131,11 +131,12 @@ CORE = Families(chain_reads=False, chain_work=False, chain_deadlines=False, issu
 LARGE = Families(chain_reads=False, chain_work=False, chain_deadlines=False, issue_order=False,
                  timing_cuts=False, rebuild_points=False)
 #: :data:`LARGE` with the work of each recomputed activation's chain after each point that evicts
-#: it (``chain_work``): at the floors of the zoo and GPT-2 2L it is smaller than :data:`CORE` (at
-#: 6L's larger, 2.8M nonzeros against 2.2M) and its MILP tighter (h100-pcie5: test:cnn_bn 1.464x in-core against 1.356x, test:resnet_small 1.730x
-#: against 1.700x, test:transformer_block 1.149x against 1.130x; GPT-2 2L's PCIe3 floor 1.077x,
-#: the MILP with every family, in 53k nonzeros against 233k, where both LARGE and CORE stop at
-#: 1.042x; at 6L's, 1.189x after 600 s against LARGE's 1.111x, ``local`` 1.199x)
+#: it (``chain_work``): at the floors measured it is smaller than :data:`CORE` (but at GPT-2 6L's,
+#: 2.8M nonzeros against 2.2M) and its MILP tighter (h100-pcie5: test:cnn_bn 1.464x in-core
+#: against 1.356x, test:resnet_small 1.730x against 1.700x, test:transformer_block 1.149x against
+#: 1.130x; GPT-2 2L's PCIe3 floor 1.077x, the MILP with every family, in 53k nonzeros against
+#: 233k, where both LARGE and CORE stop at 1.042x; at 6L's, 1.189x after 600 s against LARGE's
+#: 1.111x, ``local`` 1.199x)
 CUT_CHAINS = replace(LARGE, chain_work=True)
 #: what :func:`probed_relaxation` builds, in order, where the model asked for is too large
 FALLBACKS = (CUT_CHAINS, CORE, LARGE)
