@@ -80,7 +80,9 @@ def test_a_model_past_its_nonzeros_keeps_the_cut_bound(caplog):
     with caplog.at_level(logging.WARNING, logger="fxpooch.planner"):
         assert lp_lower_bound(Evaluator(prob), max_nonzeros=size - 1) == cut
         assert milp_lower_bound(Evaluator(prob), max_nonzeros=size - 1) == MilpBound(cut, False, None)
-    assert [r.message.split(";")[0] for r in caplog.records] == [
+    # fxpooch's records only: pytest from 9.2 also captures loggers that do not propagate (torch's
+    # structured trace logs DEBUG records through the whole test)
+    assert [r.message.split(";")[0] for r in caplog.records if r.name.startswith("fxpooch.")] == [
         f"LP relaxation: more than {size - 1} nonzeros ({len(prob.graph.activations)} activations)",
         f"MILP: more than {size - 1} nonzeros ({len(prob.graph.activations)} activations)"]
 
